@@ -1,0 +1,1 @@
+"""crs-consumer: committed-resource slot recorder for the Cortex Nova scheduler."""

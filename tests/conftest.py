@@ -1,0 +1,147 @@
+"""Shared fixtures.
+
+Integration tests (everything under tests/integration) talk to the real dev stack: an
+Apache Kafka broker and a kube-apiserver with the CRDs installed, brought up once per
+session by ``devstack/up``. A dev stack that cannot start fails the session loudly; it never
+turns into skipped tests.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+REPO = Path(__file__).resolve().parents[1]
+UPSTREAM_CRDS = Path(
+    os.environ.get("CRS_UPSTREAM_CRDS", REPO.parent / "shared" / "reference" / "crds")
+)
+
+# The four kinds the service reads, as (group, version, plural).
+KINDS = {
+    "hypervisors": ("kvm.cloud.sap", "v1", "hypervisors"),
+    "reservations": ("cortex.cloud", "v1alpha1", "reservations"),
+    "committedresources": ("cortex.cloud", "v1alpha1", "committedresources"),
+    "knowledges": ("cortex.cloud", "v1alpha1", "knowledges"),
+}
+
+
+@dataclass(frozen=True)
+class DevStack:
+    kafka_bootstrap: str
+    kubeconfig: str
+    apiserver: str
+    run_dir: Path
+    env: dict[str, str]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/integration" in item.nodeid or "/integration/" in str(item.path):
+            item.add_marker(pytest.mark.integration)
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        if "=" in line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            env[key.strip()] = value.strip()
+    return env
+
+
+@pytest.fixture(scope="session")
+def devstack() -> DevStack:
+    """Bring the dev stack up (idempotent) and describe where it is."""
+    proc = subprocess.run(
+        [str(REPO / "devstack" / "up")],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        check=False,
+    )
+    if proc.returncode != 0:
+        pytest.fail(
+            f"devstack/up failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}", pytrace=False
+        )
+    run_dir = Path(os.environ.get("CRS_DEVSTACK_RUN_DIR", REPO / "devstack" / "run"))
+    env = read_env_file(run_dir / "env")
+    return DevStack(
+        kafka_bootstrap=env["KAFKA_BOOTSTRAP_SERVERS"],
+        kubeconfig=env["KUBECONFIG"],
+        apiserver=env["CRS_DEVSTACK_APISERVER"],
+        run_dir=run_dir,
+        env=env,
+    )
+
+
+@pytest.fixture
+def topic_name(request: pytest.FixtureRequest) -> str:
+    """A Kafka topic name no other test uses."""
+    base = "".join(c if c.isalnum() else "-" for c in request.node.name)[:60]
+    return f"t-{base}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest_asyncio.fixture
+async def new_topic(devstack: DevStack) -> AsyncIterator[Callable[..., Awaitable[str]]]:
+    """Factory: create a fresh topic with N partitions; deleted again after the test."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=devstack.kafka_bootstrap)
+    await admin.start()
+    created: list[str] = []
+
+    async def make(prefix: str = "t", partitions: int = 1) -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+        await admin.create_topics([NewTopic(name, partitions, 1)])
+        created.append(name)
+        return name
+
+    try:
+        yield make
+    finally:
+        if created:
+            try:
+                await admin.delete_topics(created)
+            finally:
+                await admin.close()
+        else:
+            await admin.close()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def kube_api(devstack: DevStack) -> AsyncIterator[object]:
+    """An admin kubernetes_asyncio ApiClient for test setup and assertions."""
+    from kubernetes_asyncio import client, config
+
+    cfg = client.Configuration()
+    await config.load_kube_config(config_file=devstack.kubeconfig, client_configuration=cfg)
+    api = client.ApiClient(configuration=cfg)
+    try:
+        yield api
+    finally:
+        await api.close()
+
+
+async def delete_all_custom_objects(api: object) -> None:
+    from kubernetes_asyncio import client
+
+    co = client.CustomObjectsApi(api)
+    for group, version, plural in KINDS.values():
+        await co.delete_collection_cluster_custom_object(group, version, plural)
+
+
+@pytest_asyncio.fixture
+async def clean_k8s(kube_api: object) -> AsyncIterator[object]:
+    """A cluster with none of the four kinds in it, before and after the test."""
+    await delete_all_custom_objects(kube_api)
+    try:
+        yield kube_api
+    finally:
+        await delete_all_custom_objects(kube_api)
