@@ -32,7 +32,9 @@ __all__ = ["Quantity", "QuantityError", "QuantityFormat", "format_binary_si", "p
 class QuantityError(ValueError):
     """Raised for a string that is not a valid quantity; ``.text`` is the offending input."""
 
-    def __init__(self, text: object, reason: str = "quantities must match the regular expression") -> None:
+    def __init__(
+        self, text: object, reason: str = "quantities must match the regular expression"
+    ) -> None:
         super().__init__(f"invalid quantity {text!r}: {reason}")
         self.text = text
 
@@ -72,14 +74,18 @@ def _ceil_div_abs(numerator: int, denominator: int) -> int:
 class Quantity:
     """An immutable, exact Kubernetes quantity. Build with :meth:`parse` or :meth:`from_int`."""
 
-    __slots__ = ("_fmt", "_nanos")
+    __slots__ = ("_fmt", "_nanos", "_value")
 
     _nanos: int
     _fmt: QuantityFormat
+    _value: int
 
     def __init__(self, nanos: int, fmt: QuantityFormat = QuantityFormat.DECIMAL_SI) -> None:
         object.__setattr__(self, "_nanos", nanos)
         object.__setattr__(self, "_fmt", fmt)
+        # Precomputed: value() runs for every slot a query looks at, and parsed
+        # quantities are shared through the parse cache, so this is paid once per string.
+        object.__setattr__(self, "_value", -((-nanos) // _NANO))
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("Quantity is immutable")
@@ -109,7 +115,7 @@ class Quantity:
 
     def value(self) -> int:
         """Integer value rounded towards +infinity, like Go's ``Value()`` ("100m" -> 1)."""
-        return -((-self._nanos) // _NANO)
+        return self._value
 
     def is_zero(self) -> bool:
         return self._nanos == 0

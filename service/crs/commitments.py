@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from typing import Final
 
 from service.model.k8s import CommittedResource
-from service.quantity import ZERO, quantity_sum
+from service.quantity import ZERO, Quantity, quantity_sum
 
 __all__ = ["ACTIVE_STATES", "active_commitments", "commitments_exhausted", "is_active"]
 
@@ -42,7 +42,7 @@ def commitments_exhausted(active: Iterable[CommittedResource]) -> bool:
     return total_used >= total_amount
 
 
-def _used_memory(cr: CommittedResource):  # type: ignore[no-untyped-def]
+def _used_memory(cr: CommittedResource) -> Quantity:
     used = cr.status.used_resources
     if not used:
         return ZERO

@@ -149,10 +149,18 @@ class SlotEvaluator:
         size (whatever its project or group), the VM may spill out of its slot into
         what is left of the host.
         """
-        slots = self._reservations_by_host.get(host, ())
-        all_blocks = sum(_memory_value(res.spec.resources) for res in slots)
+        # One pass: the block total needs every slot, the candidates only matching ones.
+        all_blocks = 0
+        candidates = []
+        for res in self._reservations_by_host.get(host, ()):
+            all_blocks += _memory_value(res.spec.resources)
+            crr = res.spec.committed_resource_reservation
+            if crr is not None and crr.matches_group(project_id, flavor_group):
+                candidates.append(res)
+        if not candidates:
+            return False
         base_free = self._hv_free_memory.get(host, 0) - all_blocks
-        for res in self.slots_for_host(host, project_id, flavor_group):
+        for res in candidates:
             remaining = reservation_remaining_memory(res)
             if remaining > 0 and base_free + remaining >= vm_mem_bytes:
                 return True

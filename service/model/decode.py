@@ -56,6 +56,7 @@ def _enc_hook(obj: Any) -> Any:
 
 @functools.lru_cache(maxsize=64)
 def _json_decoder(type_: Any) -> msgspec.json.Decoder[Any]:
+    # One Decoder per target type: building it is the expensive part of decoding.
     return msgspec.json.Decoder(type_, dec_hook=_dec_hook)
 
 
@@ -75,7 +76,8 @@ def from_k8s(obj: dict[str, Any] | bytes | bytearray | memoryview | str, type_: 
     """Decode API-server JSON (raw bytes, or an already-parsed dict) into ``type_``."""
     try:
         if isinstance(obj, bytes | bytearray | memoryview | str):
-            result: T = _json_decoder(type_).decode(obj)
+            target: Any = type_
+            result: T = _json_decoder(target).decode(obj)
             return result
         if isinstance(obj, dict):
             return msgspec.convert(obj, type_, dec_hook=_dec_hook)

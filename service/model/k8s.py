@@ -45,7 +45,7 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 # --- Hypervisor (kvm.cloud.sap/v1) ---------------------------------------------------
 
 
-class HypervisorStatus(K8sStruct):
+class HypervisorStatus(K8sStruct, frozen=True):
     # None (absent or null) and {} differ: the reference uses effectiveCapacity whenever
     # the map is non-nil, even when it is empty.
     capacity: ResourceMap | None = None
@@ -53,7 +53,7 @@ class HypervisorStatus(K8sStruct):
     allocation: ResourceMap | None = None
 
 
-class Hypervisor(K8sStruct):
+class Hypervisor(K8sStruct, frozen=True):
     metadata: ObjectMeta = msgspec.field(default_factory=ObjectMeta)
     status: HypervisorStatus = msgspec.field(default_factory=HypervisorStatus)
 
@@ -61,12 +61,12 @@ class Hypervisor(K8sStruct):
 # --- Reservation (cortex.cloud/v1alpha1) ---------------------------------------------
 
 
-class CommittedResourceAllocation(K8sStruct):
+class CommittedResourceAllocation(K8sStruct, frozen=True):
     creation_timestamp: str | None = None
     resources: ResourceMap = {}
 
 
-class CommittedResourceReservationSpec(K8sStruct):
+class CommittedResourceReservationSpec(K8sStruct, frozen=True):
     project_id: str = msgspec.field(default="", name="projectID")
     resource_group: str = ""
     resource_name: str | None = None
@@ -80,7 +80,7 @@ class CommittedResourceReservationSpec(K8sStruct):
         return self.project_id == project_id and self.resource_group == flavor_group
 
 
-class ReservationSpec(K8sStruct):
+class ReservationSpec(K8sStruct, frozen=True):
     type: str | None = None
     target_host: str = ""
     resources: ResourceMap | None = None
@@ -91,18 +91,18 @@ class ReservationSpec(K8sStruct):
     end_time: str | None = None
 
 
-class CommittedResourceReservationStatus(K8sStruct):
+class CommittedResourceReservationStatus(K8sStruct, frozen=True):
     allocations: dict[str, str] | None = None
     observed_parent_generation: int | None = None
 
 
-class ReservationStatus(K8sStruct):
+class ReservationStatus(K8sStruct, frozen=True):
     conditions: list[Condition] | None = None
     host: str | None = None
     committed_resource_reservation: CommittedResourceReservationStatus | None = None
 
 
-class Reservation(K8sStruct):
+class Reservation(K8sStruct, frozen=True):
     metadata: ObjectMeta = msgspec.field(default_factory=ObjectMeta)
     spec: ReservationSpec = msgspec.field(default_factory=ReservationSpec)
     status: ReservationStatus = msgspec.field(default_factory=ReservationStatus)
@@ -115,7 +115,7 @@ class Reservation(K8sStruct):
 # --- CommittedResource (cortex.cloud/v1alpha1) ---------------------------------------
 
 
-class CommittedResourceSpec(K8sStruct):
+class CommittedResourceSpec(K8sStruct, frozen=True):
     project_id: str = msgspec.field(default="", name="projectID")
     flavor_group_name: str = ""
     state: str = ""
@@ -131,13 +131,13 @@ class CommittedResourceSpec(K8sStruct):
     allow_rejection: bool | None = None
 
 
-class CommittedResourceStatus(K8sStruct):
+class CommittedResourceStatus(K8sStruct, frozen=True):
     used_resources: ResourceMap | None = None
     conditions: list[Condition] | None = None
     status_summary: str | None = None
 
 
-class CommittedResource(K8sStruct):
+class CommittedResource(K8sStruct, frozen=True):
     metadata: ObjectMeta = msgspec.field(default_factory=ObjectMeta)
     spec: CommittedResourceSpec = msgspec.field(default_factory=CommittedResourceSpec)
     status: CommittedResourceStatus = msgspec.field(default_factory=CommittedResourceStatus)
@@ -146,7 +146,7 @@ class CommittedResource(K8sStruct):
 # --- Knowledge (cortex.cloud/v1alpha1) and the flavor-group feature ------------------
 
 
-class KnowledgeStatus(K8sStruct):
+class KnowledgeStatus(K8sStruct, frozen=True):
     conditions: list[Condition] | None = None
     # Free-form JSON ({"features": [...]}); decoded lazily by service.crs.flavors so a
     # malformed payload is a lookup *error*, not a failure to decode the Knowledge itself.
@@ -156,12 +156,12 @@ class KnowledgeStatus(K8sStruct):
     last_extracted: str | None = None
 
 
-class Knowledge(K8sStruct):
+class Knowledge(K8sStruct, frozen=True):
     metadata: ObjectMeta = msgspec.field(default_factory=ObjectMeta)
     status: KnowledgeStatus = msgspec.field(default_factory=KnowledgeStatus)
 
 
-class FlavorInGroup(K8sStruct):
+class FlavorInGroup(K8sStruct, frozen=True):
     # Go declares these uint64: a negative number makes the whole payload invalid there.
     name: str = ""
     vcpus: NonNegative = 0
@@ -171,7 +171,7 @@ class FlavorInGroup(K8sStruct):
     extra_specs: dict[str, str] | None = None
 
 
-class FlavorGroupFeature(K8sStruct):
+class FlavorGroupFeature(K8sStruct, frozen=True):
     name: str = ""
     flavors: list[FlavorInGroup] = []
     largest_flavor: FlavorInGroup = msgspec.field(default_factory=FlavorInGroup)

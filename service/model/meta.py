@@ -24,10 +24,11 @@ class K8sStruct(
     ``frozen`` because cached objects are shared between coroutines; ``gc=False`` because
     decoded objects are trees (no cycles) and 60k of them would otherwise be GC-tracked;
     ``omit_defaults`` so :func:`service.model.to_k8s` writes back only what was set.
+    Subclasses repeat ``frozen=True`` only because mypy does not inherit it.
     """
 
 
-class ObjectMeta(K8sStruct):
+class ObjectMeta(K8sStruct, frozen=True):
     name: str | None = None
     resource_version: str | None = None
     labels: dict[str, str] | None = None
@@ -36,7 +37,7 @@ class ObjectMeta(K8sStruct):
     creation_timestamp: str | None = None
 
 
-class Condition(K8sStruct):
+class Condition(K8sStruct, frozen=True):
     type: str | None = None
     status: str | None = None
     reason: str | None = None

@@ -30,7 +30,7 @@ class _NovaStruct(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True)
     """Base for Nova wire types: snake_case keys exactly as Nova sends them."""
 
 
-class NovaObject(_NovaStruct, Generic[T]):
+class NovaObject(_NovaStruct, Generic[T], frozen=True):
     data: T = msgspec.field(name="nova_object.data")
     name: str | None = msgspec.field(default=None, name="nova_object.name")
     namespace: str | None = msgspec.field(default=None, name="nova_object.namespace")
@@ -38,7 +38,7 @@ class NovaObject(_NovaStruct, Generic[T]):
     changes: list[str] | None = msgspec.field(default=None, name="nova_object.changes")
 
 
-class NovaFlavor(_NovaStruct):
+class NovaFlavor(_NovaStruct, frozen=True):
     name: str = ""
     memory_mb: int = 0
     vcpus: int = 0
@@ -50,7 +50,7 @@ class NovaFlavor(_NovaStruct):
     extra_specs: dict[str, str] | None = None
 
 
-class NovaSpec(_NovaStruct):
+class NovaSpec(_NovaStruct, frozen=True):
     project_id: str = ""
     user_id: str | None = None
     instance_uuid: str = ""
@@ -64,7 +64,7 @@ class NovaSpec(_NovaStruct):
     force_nodes: list[str] | None = None
 
 
-class NovaRequestContext(_NovaStruct):
+class NovaRequestContext(_NovaStruct, frozen=True):
     # Often stripped (the reference example has ``context: {}``), so all optional.
     project_id: str | None = None
     user_id: str | None = msgspec.field(default=None, name="user")
@@ -74,16 +74,16 @@ class NovaRequestContext(_NovaStruct):
     user_name: str | None = None
 
 
-class ExternalSchedulerHost(_NovaStruct):
+class ExternalSchedulerHost(_NovaStruct, frozen=True):
     host: str
     hypervisor_hostname: str | None = None
 
 
-class ExternalSchedulerOptions(_NovaStruct):
+class ExternalSchedulerOptions(_NovaStruct, frozen=True):
     skip_committed_resource_tracking: bool = False
 
 
-class ExternalSchedulerRequest(_NovaStruct):
+class ExternalSchedulerRequest(_NovaStruct, frozen=True):
     spec: NovaObject[NovaSpec]
     context: NovaRequestContext = msgspec.field(default_factory=NovaRequestContext)
     hosts: list[ExternalSchedulerHost] = []
@@ -97,15 +97,14 @@ class ExternalSchedulerRequest(_NovaStruct):
 
     @property
     def project_id(self) -> str:
-        """The project that owns the instance, i.e. the project whose CRs apply.
+        """The project whose committed resources apply to this request.
 
-        The Go recorder reads ``context.project_id`` (the *caller's* project). That is
-        the owner for a user's own create, but an admin's live-migration or evacuation
-        carries the admin's project there, and the context is often stripped entirely.
-        ``spec.nova_object.data.project_id`` is the owner in every case, so it wins;
-        the context is only a fallback when the spec has none.
+        The reference recorder reads ``context.project_id``, so that wins whenever Nova
+        sends it. Samples with a stripped context (``context: {}``, as in the reference
+        example) would otherwise match no commitment at all, so the spec's
+        ``project_id`` (the instance owner) is the fallback.
         """
-        return self.spec.data.project_id or (self.context.project_id or "")
+        return self.context.project_id or self.spec.data.project_id
 
     @property
     def context_project_id(self) -> str:

@@ -1,0 +1,76 @@
+"""Classification of a scheduling outcome in terms of committed-resource coverage.
+
+The strings are metric label values shared with the Go implementation's dashboards,
+so they are fixed; :class:`CrSlot` names them in one place.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+from service.crs.commitments import commitments_exhausted
+from service.crs.evaluator import SlotEvaluator, reservation_remaining_memory
+from service.model.k8s import CommittedResource
+
+__all__ = ["CrSlot", "classify_no_host_found", "classify_placement"]
+
+
+class CrSlot(enum.StrEnum):
+    NO_CR = "no_cr"
+    SLOT_USED = "slot_used"
+    SLOT_MISSED = "slot_missed"
+    CR_EXHAUSTED = "cr_exhausted"
+    SLOT_EXHAUSTED = "slot_exhausted"
+    SLOT_BLOCKED = "slot_blocked"
+    # Not produced by the classifiers: the surrounding controller's outcomes.
+    ERROR = "error"  # flavor-group lookup failed; counted with flavor_group="unknown"
+    PAYG = "payg"  # flavor in no group; never counted
+    SKIPPED = "skipped"  # options.skip_committed_resource_tracking; never counted
+
+
+def classify_placement(
+    evaluator: SlotEvaluator,
+    active_crs: Sequence[CommittedResource],
+    candidate_hosts: Sequence[str],
+    project_id: str,
+    flavor_group: str,
+) -> str:
+    """Outcome of a successful placement.
+
+    ``no_cr`` when there is no active CR or it is used up; ``slot_used`` when any
+    *candidate* host (the pipeline's ordered hosts) has a matching slot with memory
+    left; otherwise ``slot_missed``. Candidates, not just the target: the question is
+    whether the pipeline could have used a slot.
+    """
+    if not active_crs or commitments_exhausted(active_crs):
+        return CrSlot.NO_CR.value
+    for host in candidate_hosts:
+        for slot in evaluator.slots_for_host(host, project_id, flavor_group):
+            if reservation_remaining_memory(slot) > 0:
+                return CrSlot.SLOT_USED.value
+    return CrSlot.SLOT_MISSED.value
+
+
+def classify_no_host_found(
+    active_crs: Sequence[CommittedResource],
+    evaluator: SlotEvaluator,
+    input_hosts: Sequence[str],
+    project_id: str,
+    flavor_group: str,
+    vm_mem_bytes: int,
+) -> str:
+    """Why no host was found (argument order as in the reference).
+
+    ``no_cr`` without an active CR, ``cr_exhausted`` when it is used up,
+    ``slot_blocked`` when some *input* host had a usable slot (so a filter, not
+    capacity, excluded it), otherwise ``slot_exhausted``.
+    """
+    if not active_crs:
+        return CrSlot.NO_CR.value
+    if commitments_exhausted(active_crs):
+        return CrSlot.CR_EXHAUSTED.value
+    for host in input_hosts:
+        if evaluator.has_usable_slot(host, project_id, flavor_group, vm_mem_bytes):
+            return CrSlot.SLOT_BLOCKED.value
+    return CrSlot.SLOT_EXHAUSTED.value
