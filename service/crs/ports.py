@@ -1,0 +1,107 @@
+"""What the Recorder needs from the cluster, as a protocol the pure core owns.
+
+The Recorder must not know whether its state comes from per-request API lists or from
+a watch cache, and it must not import a Kubernetes client. Both state sources implement
+:class:`ClusterState`; both raise the error types defined here, so the Recorder (and the
+stream layer above it) can tell a conflict from a missing object from an outage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from service.crs.evaluator import SlotEvaluator
+from service.model import CommittedResource, Knowledge, Reservation
+
+__all__ = [
+    "ApiError",
+    "ClusterState",
+    "ConflictError",
+    "ForbiddenError",
+    "InvalidError",
+    "NotFoundError",
+    "Snapshot",
+    "UnavailableError",
+]
+
+
+class ApiError(Exception):
+    """A Kubernetes API call failed. ``retryable`` says whether trying again can help."""
+
+    retryable: bool = False
+
+    def __init__(self, message: str, *, status: int | None = None, kind: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+class ConflictError(ApiError):
+    """HTTP 409: the object changed since it was read (optimistic concurrency)."""
+
+
+class NotFoundError(ApiError):
+    """HTTP 404."""
+
+
+class ForbiddenError(ApiError):
+    """HTTP 401/403: the service account lacks a permission; retrying will not help."""
+
+
+class InvalidError(ApiError):
+    """HTTP 400/422: the server rejected the object or patch as invalid."""
+
+
+class UnavailableError(ApiError):
+    """Timeouts, connection errors, 429 and 5xx: the cluster may answer later."""
+
+    retryable = True
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """One consistent view of everything a single request is decided on.
+
+    ``evaluator`` covers at least the hosts asked for (it may cover more);
+    ``committed_resources`` holds at least the CRs of the request's project (it may hold
+    all of them); ``knowledge`` is the ``flavor-groups`` Knowledge, None when absent.
+    """
+
+    evaluator: SlotEvaluator
+    committed_resources: Sequence[CommittedResource]
+    knowledge: Knowledge | None
+
+
+class ClusterState(Protocol):
+    """Reads and the one write the Recorder performs."""
+
+    async def snapshot(self, hosts: Collection[str], project_id: str) -> Snapshot:
+        """Read everything a request on ``hosts`` for ``project_id`` needs, at once.
+
+        Raises :class:`UnavailableError` (or another :class:`ApiError`) when it cannot.
+        """
+        ...
+
+    async def reservations_on_host(self, host: str) -> Sequence[Reservation]:
+        """Fresh committed-resource slots on one host (after a conflict), unfiltered."""
+        ...
+
+    async def get_reservation(self, name: str) -> Reservation | None:
+        """A fresh read of one Reservation; None when it no longer exists."""
+        ...
+
+    async def patch_allocation(
+        self,
+        reservation: Reservation,
+        instance_uuid: str,
+        allocation: dict[str, object],
+    ) -> Reservation:
+        """Add ``allocations[instance_uuid] = allocation`` to ``reservation``'s CR spec.
+
+        The patch carries ``reservation.metadata.resourceVersion``: it raises
+        :class:`ConflictError` when the object changed since that version was read and
+        :class:`NotFoundError` when it was deleted. Returns the updated object.
+        """
+        ...

@@ -1,0 +1,375 @@
+"""Records one scheduling outcome: classify it, count it, and claim a slot for the VM.
+
+The behaviour is the reference recorder's (see SEMANTICS.md), with one deliberate
+difference: the slot write is a merge patch guarded by the resourceVersion the decision
+was made on. Two writers racing for the same slot cannot both win; the loser re-reads,
+re-checks idempotency and re-picks on fresh data, so no slot is overfilled and no VM
+lands in two slots.
+
+The Recorder sees the cluster only through :class:`~service.crs.ports.ClusterState`; it
+imports no Kubernetes or Kafka client, so it runs unchanged on list reads, a watch cache
+or an in-memory fake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import Protocol
+
+import structlog
+
+from service.crs.classify import CrSlot, classify_no_host_found, classify_placement
+from service.crs.commitments import active_commitments
+from service.crs.evaluator import is_slot, pick_slot, reservation_remaining_memory
+from service.crs.flavors import FlavorGroupLookupError, FlavorGroups, parse_flavor_groups
+from service.crs.intent import derive_intent
+from service.crs.outcome import AllocationStatus, Outcome
+from service.crs.ports import ClusterState, ConflictError, NotFoundError
+from service.model import Decision, ExternalSchedulerRequest, Knowledge, Reservation
+from service.quantity import format_binary_si
+
+__all__ = ["Recorder"]
+
+_log = structlog.get_logger(__name__)
+
+UNKNOWN_FLAVOR_GROUP = "unknown"
+
+
+class _Counter(Protocol):
+    """The part of a prometheus_client Counter the Recorder uses."""
+
+    def labels(self, *args: str, **kwargs: str) -> _Counter: ...
+
+    def inc(self, amount: float = 1) -> None: ...
+
+
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def rfc3339(ts: datetime) -> str:
+    """Seconds-precision RFC 3339 in UTC, as ``metav1.Time`` serialises."""
+    if ts.tzinfo is None:
+        ts = ts.replace(tzinfo=UTC)
+    return ts.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class _FlavorGroupsMemo:
+    """Parsed flavor groups of the last Knowledge version seen.
+
+    Parsing is cheap but not free (hundreds of flavors); Knowledge changes rarely, so
+    the result is reused while ``(uid, resourceVersion)`` stays the same. Objects without
+    a resourceVersion (fakes) are parsed every time.
+    """
+
+    __slots__ = ("_groups", "_key")
+
+    def __init__(self) -> None:
+        self._key: tuple[str | None, str] | None = None
+        self._groups: FlavorGroups | None = None
+
+    def get(self, knowledge: Knowledge | None) -> FlavorGroups:
+        rv = knowledge.metadata.resource_version if knowledge is not None else None
+        if knowledge is None or not rv:
+            return parse_flavor_groups(knowledge)
+        key = (knowledge.metadata.uid, rv)
+        if key != self._key or self._groups is None:
+            # Errors are not memoised: the next event re-checks (a rare, cheap path).
+            self._groups = parse_flavor_groups(knowledge)
+            self._key = key
+        return self._groups
+
+
+class Recorder:
+    """Classifies Nova scheduling outcomes against committed resources and records them.
+
+    ``placement_counter`` / ``no_host_found_counter`` are the counters from
+    :mod:`service.crs.metrics` (or None to count nothing). ``max_conflict_retries`` is the
+    number of re-decisions after a 409/404 on the slot write; between them the Recorder
+    waits ``backoff_s`` plus up to ``jitter`` times that (the reference's
+    ``retry.DefaultRetry``: 10 ms steps, 10 % jitter). ``clock`` supplies the allocation's
+    creationTimestamp (UTC ``datetime``).
+    """
+
+    def __init__(
+        self,
+        state: ClusterState,
+        placement_counter: _Counter | None = None,
+        no_host_found_counter: _Counter | None = None,
+        *,
+        max_conflict_retries: int = 5,
+        backoff_s: float = 0.01,
+        jitter: float = 0.1,
+        clock: Callable[[], datetime] | None = None,
+    ) -> None:
+        if max_conflict_retries < 0:
+            raise ValueError("max_conflict_retries must be >= 0")
+        self._state = state
+        self._placement_counter = placement_counter
+        self._no_host_found_counter = no_host_found_counter
+        self._max_conflict_retries = max_conflict_retries
+        self._backoff_s = backoff_s
+        self._jitter = jitter
+        self._clock = clock or _utc_now
+        self._random = random.Random()
+        self._flavor_groups = _FlavorGroupsMemo()
+
+    async def record(self, decision: Decision, request: ExternalSchedulerRequest) -> Outcome:
+        """Dispatch on the decision: a target host is a placement, none is no-host-found."""
+        if decision.result.target_host is None:
+            return await self.record_no_host_found(decision, request)
+        return await self.record_placement(decision, request)
+
+    # --- placement ------------------------------------------------------------------
+
+    async def record_placement(
+        self, decision: Decision, request: ExternalSchedulerRequest
+    ) -> Outcome:
+        """Classify and count a successful placement; claim a slot when it is slot_used.
+
+        Raises :class:`~service.crs.ports.ApiError` when the cluster cannot be read (or
+        the write fails for a reason other than a resolvable conflict): the caller
+        retries the whole event, which is safe because the write is idempotent.
+        """
+        target = decision.result.target_host
+        if target is None:
+            raise ValueError("record_placement needs a decision with a target host")
+        intent = decision.intent or derive_intent(request)
+        instance_uuid = request.instance_uuid
+        project_id = request.project_id
+        flavor_name = request.flavor_name
+        log = _log.bind(
+            instance_uuid=instance_uuid, project_id=project_id, host=target, intent=intent
+        )
+
+        def outcome(
+            cr_slot: str,
+            flavor_group: str | None,
+            *,
+            reservation: str | None = None,
+            allocation: AllocationStatus = AllocationStatus.NOT_APPLICABLE,
+            vm_memory_bytes: int | None = None,
+            conflicts: int = 0,
+        ) -> Outcome:
+            return Outcome(
+                kind="placement",
+                cr_slot=cr_slot,
+                intent=intent,
+                instance_uuid=instance_uuid,
+                project_id=project_id,
+                flavor_name=flavor_name,
+                flavor_group=flavor_group,
+                target_host=target,
+                reservation=reservation,
+                allocation=allocation,
+                vm_memory_bytes=vm_memory_bytes,
+                conflicts=conflicts,
+            )
+
+        # The controller checks the option before it calls the recorder: nothing is read.
+        if request.options.skip_committed_resource_tracking:
+            log.debug("cr_tracking_skipped")
+            return outcome(CrSlot.SKIPPED.value, None)
+
+        hosts = [*decision.result.ordered_hosts, target]
+        snapshot = await self._state.snapshot(hosts, project_id)
+        try:
+            match = self._flavor_groups.get(snapshot.knowledge).lookup(flavor_name)
+        except FlavorGroupLookupError as exc:
+            log.error("flavor_group_lookup_failed", flavor=flavor_name, error=str(exc))
+            self._count_placement(UNKNOWN_FLAVOR_GROUP, intent, CrSlot.ERROR.value)
+            return outcome(CrSlot.ERROR.value, UNKNOWN_FLAVOR_GROUP)
+        if match is None:
+            log.debug("payg_placement", flavor=flavor_name)
+            return outcome(CrSlot.PAYG.value, None)
+
+        group = match.group
+        vm_mem = match.vm_memory_bytes
+        evaluator = snapshot.evaluator
+        active = active_commitments(snapshot.committed_resources, project_id, group)
+        cr_slot = classify_placement(
+            evaluator, active, decision.result.ordered_hosts, project_id, group
+        )
+        log = log.bind(flavor_group=group, cr_slot=cr_slot)
+        log.debug("placement_classified")
+        if cr_slot != CrSlot.SLOT_USED.value:
+            self._count_placement(group, intent, cr_slot)
+            return outcome(cr_slot, group, vm_memory_bytes=vm_mem)
+
+        allocation: dict[str, object] = {
+            "creationTimestamp": rfc3339(self._clock()),
+            "resources": {"memory": format_binary_si(vm_mem), "cpu": str(match.vcpus)},
+        }
+        status, reservation, conflicts = await self._claim_slot(
+            evaluator.slots_for_host(target, project_id, group),
+            target=target,
+            project_id=project_id,
+            flavor_group=group,
+            instance_uuid=instance_uuid,
+            vm_mem=vm_mem,
+            allocation=allocation,
+            log=log,
+        )
+        # Counted once the write is settled (the reference counts just before it): a
+        # write that fails with an outage makes the caller retry the event, and counting
+        # first would count that event once per attempt.
+        self._count_placement(group, intent, cr_slot)
+        return outcome(
+            cr_slot,
+            group,
+            reservation=reservation,
+            allocation=status,
+            vm_memory_bytes=vm_mem,
+            conflicts=conflicts,
+        )
+
+    async def _claim_slot(
+        self,
+        slots: Sequence[Reservation],
+        *,
+        target: str,
+        project_id: str,
+        flavor_group: str,
+        instance_uuid: str,
+        vm_mem: int,
+        allocation: dict[str, object],
+        log: structlog.typing.FilteringBoundLogger,
+    ) -> tuple[AllocationStatus, str | None, int]:
+        """Idempotency check, slot choice and guarded write, re-decided after a conflict.
+
+        Returns (status, reservation name, number of conflicts met).
+        """
+        current = list(slots)
+        conflicts = 0
+        while True:
+            for slot in current:
+                crr = slot.spec.committed_resource_reservation
+                if crr is not None and crr.allocations and instance_uuid in crr.allocations:
+                    log.info("allocation_already_present", reservation=slot.name)
+                    return AllocationStatus.ALREADY_PRESENT, slot.name, conflicts
+            name = pick_slot(current, vm_mem)
+            if not name:
+                log.info("no_slot_on_target_host", conflicts=conflicts)
+                return AllocationStatus.NO_SLOT, None, conflicts
+            chosen = next(s for s in current if s.name == name)
+            try:
+                await self._state.patch_allocation(chosen, instance_uuid, allocation)
+            except (ConflictError, NotFoundError) as exc:
+                conflicts += 1
+                gone = isinstance(exc, NotFoundError)
+                if conflicts > self._max_conflict_retries:
+                    log.error(
+                        "allocation_conflicts_exhausted",
+                        reservation=name,
+                        conflicts=conflicts,
+                        last_error="not_found" if gone else "conflict",
+                    )
+                    return AllocationStatus.FAILED, name, conflicts
+                log.info("allocation_conflict", reservation=name, gone=gone, conflicts=conflicts)
+                await asyncio.sleep(self._backoff())
+                current = await self._refresh(
+                    current, name, target=target, project_id=project_id, flavor_group=flavor_group
+                )
+                continue
+            log.info("allocation_written", reservation=name, conflicts=conflicts)
+            return AllocationStatus.WRITTEN, name, conflicts
+
+    async def _refresh(
+        self,
+        current: Sequence[Reservation],
+        name: str,
+        *,
+        target: str,
+        project_id: str,
+        flavor_group: str,
+    ) -> list[Reservation]:
+        """Fresh slots to re-decide on after a failed write to ``name``.
+
+        The cheap path re-reads just that Reservation; if it vanished, stopped matching,
+        or has nothing left, the host's whole slot list is re-read (someone else may have
+        written this VM elsewhere, or a new slot may have appeared).
+        """
+
+        def matches(r: Reservation) -> bool:
+            crr = r.spec.committed_resource_reservation
+            return (
+                is_slot(r)
+                and r.spec.target_host == target
+                and crr is not None
+                and crr.matches_group(project_id, flavor_group)
+            )
+
+        fresh = await self._state.get_reservation(name)
+        if fresh is not None and matches(fresh) and reservation_remaining_memory(fresh) > 0:
+            return [fresh if r.name == name else r for r in current]
+        on_host = await self._state.reservations_on_host(target)
+        return [r for r in on_host if matches(r)]
+
+    def _backoff(self) -> float:
+        return self._backoff_s * (1.0 + self._jitter * self._random.random())
+
+    def _count_placement(self, flavor_group: str, intent: str, cr_slot: str) -> None:
+        if self._placement_counter is not None:
+            self._placement_counter.labels(
+                flavor_group=flavor_group, intent=intent, cr_slot=cr_slot
+            ).inc()
+
+    # --- no host found --------------------------------------------------------------
+
+    async def record_no_host_found(
+        self, decision: Decision, request: ExternalSchedulerRequest
+    ) -> Outcome:
+        """Classify and count a request for which no host was found (never writes).
+
+        The skip option does not apply here: the reference controller only consults it
+        for placements.
+        """
+        intent = decision.intent or derive_intent(request)
+        instance_uuid = request.instance_uuid
+        project_id = request.project_id
+        flavor_name = request.flavor_name
+        input_hosts = request.input_hosts
+        log = _log.bind(instance_uuid=instance_uuid, project_id=project_id, intent=intent)
+
+        def outcome(cr_slot: str, flavor_group: str | None, vm_mem: int | None) -> Outcome:
+            return Outcome(
+                kind="no_host_found",
+                cr_slot=cr_slot,
+                intent=intent,
+                instance_uuid=instance_uuid,
+                project_id=project_id,
+                flavor_name=flavor_name,
+                flavor_group=flavor_group,
+                target_host=None,
+                vm_memory_bytes=vm_mem,
+            )
+
+        snapshot = await self._state.snapshot(input_hosts, project_id)
+        try:
+            match = self._flavor_groups.get(snapshot.knowledge).lookup(flavor_name)
+        except FlavorGroupLookupError as exc:
+            log.error("flavor_group_lookup_failed", flavor=flavor_name, error=str(exc))
+            self._count_no_host_found(CrSlot.ERROR.value, UNKNOWN_FLAVOR_GROUP, intent)
+            return outcome(CrSlot.ERROR.value, UNKNOWN_FLAVOR_GROUP, None)
+        if match is None:
+            log.debug("payg_no_host_found", flavor=flavor_name)
+            return outcome(CrSlot.PAYG.value, None, None)
+
+        group = match.group
+        vm_mem = match.vm_memory_bytes
+        active = active_commitments(snapshot.committed_resources, project_id, group)
+        cr_slot = classify_no_host_found(
+            active, snapshot.evaluator, input_hosts, project_id, group, vm_mem
+        )
+        log.info("no_host_found_classified", cr_slot=cr_slot, flavor_group=group)
+        self._count_no_host_found(cr_slot, group, intent)
+        return outcome(cr_slot, group, vm_mem)
+
+    def _count_no_host_found(self, cr_slot: str, flavor_group: str, intent: str) -> None:
+        if self._no_host_found_counter is not None:
+            self._no_host_found_counter.labels(
+                cr_slot=cr_slot, flavor_group=flavor_group, intent=intent
+            ).inc()

@@ -1,0 +1,451 @@
+"""A small async Kubernetes client for the four custom resources the service uses.
+
+Built on kubernetes_asyncio for configuration and authentication (kubeconfig, in-cluster
+service account, token refresh), but responses are read as raw bytes
+(``_preload_content=False``) and decoded straight into the msgspec models: building
+Python dicts for 50,000 Reservations and then converting them would cost several times
+the decode itself.
+
+Every request carries a timeout, is counted in :class:`~service.k8s.metrics.K8sMetrics`,
+and fails only with the :mod:`service.crs.ports` error types.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Final, Generic, TypeVar
+
+import msgspec
+import structlog
+from kubernetes_asyncio import client as k8s_client
+from kubernetes_asyncio import config as k8s_config
+
+from service.crs.ports import NotFoundError, UnavailableError
+from service.k8s.errors import error_for_status, map_exception
+from service.k8s.metrics import K8sMetrics
+from service.model import (
+    LABEL_RESERVATION_TYPE,
+    RESERVATION_TYPE_COMMITTED_RESOURCE,
+    CommittedResource,
+    DecodeError,
+    Hypervisor,
+    Knowledge,
+    Reservation,
+    from_k8s,
+)
+
+__all__ = [
+    "COMMITTED_RESOURCES",
+    "CR_RESERVATION_SELECTOR",
+    "HYPERVISORS",
+    "KNOWLEDGES",
+    "RESERVATIONS",
+    "KubeClient",
+    "ListResult",
+    "ResourceKind",
+]
+
+T = TypeVar("T")
+
+_log = structlog.get_logger(__name__)
+
+MERGE_PATCH: Final = "application/merge-patch+json"
+DEFAULT_PAGE_SIZE: Final = 500
+# A continue token expires after ~5-15 minutes (HTTP 410); restart the list this often.
+_MAX_LIST_RESTARTS: Final = 2
+_STATUS_MESSAGE_LIMIT: Final = 300
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceKind:
+    """A cluster-scoped custom resource: API group, version and plural."""
+
+    group: str
+    version: str
+    plural: str
+
+
+HYPERVISORS: Final = ResourceKind("kvm.cloud.sap", "v1", "hypervisors")
+RESERVATIONS: Final = ResourceKind("cortex.cloud", "v1alpha1", "reservations")
+COMMITTED_RESOURCES: Final = ResourceKind("cortex.cloud", "v1alpha1", "committedresources")
+KNOWLEDGES: Final = ResourceKind("cortex.cloud", "v1alpha1", "knowledges")
+CR_RESERVATION_SELECTOR: Final = f"{LABEL_RESERVATION_TYPE}={RESERVATION_TYPE_COMMITTED_RESOURCE}"
+
+
+class _ListMeta(msgspec.Struct, frozen=True):
+    resourceVersion: str | None = None  # the wire name: camelCase
+    continue_: str | None = msgspec.field(default=None, name="continue")
+
+
+class _ObjectList(msgspec.Struct, Generic[T], frozen=True):
+    """A list response: only ``items`` and the paging metadata are decoded."""
+
+    items: list[T] | None = None
+    metadata: _ListMeta = msgspec.field(default_factory=_ListMeta)
+
+
+class _Status(msgspec.Struct, frozen=True):
+    """The ``Status`` body of an error response; only the message is used (for logs)."""
+
+    message: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ListResult(Generic[T]):
+    """All items of a (paged) list and the resourceVersion to start a watch from."""
+
+    items: list[T]
+    resource_version: str
+
+
+_LIST_TYPES: dict[type[Any], Any] = {}
+
+
+def _list_type(item_type: type[T]) -> type[_ObjectList[T]]:
+    # Parametrised once per item type so the decoder cache in service.model is hit.
+    lt = _LIST_TYPES.get(item_type)
+    if lt is None:
+        lt = _LIST_TYPES[item_type] = _ObjectList.__class_getitem__(item_type)  # type: ignore[attr-defined]
+    result: type[_ObjectList[T]] = lt
+    return result
+
+
+def _status_message(body: bytes) -> str:
+    """The API server's own explanation, bounded: never echo whole response bodies."""
+    try:
+        status = msgspec.json.decode(body, type=_Status)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ""
+    return (status.message or status.reason)[:_STATUS_MESSAGE_LIMIT]
+
+
+class KubeClient:
+    """Typed reads and the one guarded write, with timeouts, metrics and mapped errors.
+
+    Use :meth:`create` (kubeconfig or in-cluster) or :meth:`from_token`; close with
+    :meth:`close` or ``async with``.
+    """
+
+    def __init__(
+        self,
+        api: Any,
+        *,
+        request_timeout_s: float = 10.0,
+        metrics: K8sMetrics | None = None,
+    ) -> None:
+        if request_timeout_s <= 0:
+            raise ValueError("request_timeout_s must be positive")
+        self._api = api
+        self._co = k8s_client.CustomObjectsApi(api)
+        self._timeout = request_timeout_s
+        self._metrics = metrics
+
+    # --- construction ---------------------------------------------------------------
+
+    @classmethod
+    async def create(
+        cls,
+        kubeconfig: str | None = None,
+        *,
+        request_timeout_s: float = 10.0,
+        metrics: K8sMetrics | None = None,
+    ) -> KubeClient:
+        """Client from a kubeconfig file (argument, else ``$KUBECONFIG``), else in-cluster.
+
+        In-cluster auth re-reads the projected service-account token when it rotates
+        (kubernetes_asyncio's refresh hook), so long-running pods keep working.
+        """
+        cfg = k8s_client.Configuration()
+        path = kubeconfig or os.environ.get("KUBECONFIG") or None
+        if path:
+            # persist_config=False: never rewrite the operator's kubeconfig file.
+            await k8s_config.load_kube_config(
+                config_file=path, client_configuration=cfg, persist_config=False
+            )
+        else:
+            k8s_config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+        return cls(
+            k8s_client.ApiClient(configuration=cfg),
+            request_timeout_s=request_timeout_s,
+            metrics=metrics,
+        )
+
+    @classmethod
+    def from_token(
+        cls,
+        server: str,
+        ca_file: str | None,
+        token: str,
+        *,
+        request_timeout_s: float = 10.0,
+        metrics: K8sMetrics | None = None,
+    ) -> KubeClient:
+        """Client authenticating with a bearer token (e.g. a ServiceAccount token).
+
+        Must be called with an event loop running (it opens an aiohttp session).
+        ``ca_file`` None trusts the system CAs.
+        """
+        cfg = k8s_client.Configuration(host=server)
+        cfg.ssl_ca_cert = ca_file
+        cfg.api_key = {"BearerToken": token}
+        cfg.api_key_prefix = {"BearerToken": "Bearer"}
+        return cls(
+            k8s_client.ApiClient(configuration=cfg),
+            request_timeout_s=request_timeout_s,
+            metrics=metrics,
+        )
+
+    async def close(self) -> None:
+        await self._api.close()
+
+    async def __aenter__(self) -> KubeClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @property
+    def api_client(self) -> Any:
+        """The underlying kubernetes_asyncio ApiClient (for a watch implementation)."""
+        return self._api
+
+    @property
+    def request_timeout_s(self) -> float:
+        return self._timeout
+
+    @property
+    def metrics(self) -> K8sMetrics | None:
+        return self._metrics
+
+    # --- typed API ------------------------------------------------------------------
+
+    async def list_hypervisors(self, *, limit: int = DEFAULT_PAGE_SIZE) -> list[Hypervisor]:
+        return (await self.list_objects(HYPERVISORS, Hypervisor, limit=limit)).items
+
+    async def list_reservations(self, *, limit: int = DEFAULT_PAGE_SIZE) -> list[Reservation]:
+        """Committed-resource Reservations only (server-side label selector)."""
+        result = await self.list_objects(
+            RESERVATIONS, Reservation, label_selector=CR_RESERVATION_SELECTOR, limit=limit
+        )
+        return result.items
+
+    async def list_committed_resources(
+        self, *, limit: int = DEFAULT_PAGE_SIZE
+    ) -> list[CommittedResource]:
+        return (await self.list_objects(COMMITTED_RESOURCES, CommittedResource, limit=limit)).items
+
+    async def get_knowledge(self, name: str = "flavor-groups") -> Knowledge | None:
+        """The Knowledge object, None when it does not exist."""
+        try:
+            return await self.get_object(KNOWLEDGES, name, Knowledge)
+        except NotFoundError:
+            return None
+
+    async def get_reservation(self, name: str) -> Reservation | None:
+        """A fresh read of one Reservation, None when it does not exist."""
+        try:
+            return await self.get_object(RESERVATIONS, name, Reservation)
+        except NotFoundError:
+            return None
+
+    async def patch_allocation(
+        self,
+        reservation: Reservation,
+        instance_uuid: str,
+        allocation: dict[str, object],
+    ) -> Reservation:
+        """Add one allocation with a merge patch guarded by the resourceVersion read.
+
+        The API server compares ``metadata.resourceVersion`` in a merge patch with the
+        stored one and answers 409 on a mismatch (what controller-runtime's
+        ``MergeFromWithOptimisticLock`` does): the write lands only on the exact version
+        the caller decided on. Raises ConflictError (409) or NotFoundError (404).
+        """
+        name = reservation.name
+        rv = reservation.metadata.resource_version
+        if not name or not rv:
+            raise ValueError("patch_allocation needs a Reservation read from the API server")
+        body = {
+            "metadata": {"resourceVersion": rv},
+            "spec": {"committedResourceReservation": {"allocations": {instance_uuid: allocation}}},
+        }
+        raw = await self._request(
+            "patch",
+            RESERVATIONS,
+            name,
+            self._co.patch_cluster_custom_object,
+            RESERVATIONS.group,
+            RESERVATIONS.version,
+            RESERVATIONS.plural,
+            name,
+            body,
+            _content_type=MERGE_PATCH,
+        )
+        return self._decode_one(raw, Reservation, RESERVATIONS, name)
+
+    # --- generic API ----------------------------------------------------------------
+
+    async def get_object(self, kind: ResourceKind, name: str, type_: type[T]) -> T:
+        """One object decoded into ``type_``; raises NotFoundError when it is absent."""
+        raw = await self._request(
+            "get",
+            kind,
+            name,
+            self._co.get_cluster_custom_object,
+            kind.group,
+            kind.version,
+            kind.plural,
+            name,
+        )
+        return self._decode_one(raw, type_, kind, name)
+
+    async def list_objects(
+        self,
+        kind: ResourceKind,
+        type_: type[T],
+        *,
+        label_selector: str | None = None,
+        limit: int = DEFAULT_PAGE_SIZE,
+    ) -> ListResult[T]:
+        """All objects of ``kind``, read in pages of ``limit`` (one consistent snapshot).
+
+        Pages after the first are served from the first page's snapshot; if the continue
+        token expires (410) the whole list restarts, because mixing snapshots would break
+        the "one consistent view" the evaluator relies on.
+        """
+        if limit <= 0:
+            raise ValueError("limit must be positive")
+        restarts = 0
+        while True:
+            items: list[T] = []
+            token: str | None = None
+            try:
+                while True:
+                    kwargs: dict[str, Any] = {"limit": limit}
+                    if label_selector:
+                        kwargs["label_selector"] = label_selector
+                    if token:
+                        kwargs["_continue"] = token
+                    raw = await self._request(
+                        "list",
+                        kind,
+                        "",
+                        self._co.list_cluster_custom_object,
+                        kind.group,
+                        kind.version,
+                        kind.plural,
+                        **kwargs,
+                    )
+                    page = self._decode_list(raw, type_, kind)
+                    if page.items:
+                        items.extend(page.items)
+                    token = page.metadata.continue_
+                    if not token:
+                        return ListResult(items, page.metadata.resourceVersion or "")
+            except UnavailableError as exc:
+                if exc.status != 410 or token is None or restarts >= _MAX_LIST_RESTARTS:
+                    raise
+                restarts += 1
+                _log.warning("list continue token expired, restarting", kind=kind.plural)
+
+    # --- plumbing -------------------------------------------------------------------
+
+    async def _request(
+        self,
+        verb: str,
+        kind: ResourceKind,
+        name: str,
+        fn: Callable[..., Awaitable[Any]],
+        *args: Any,
+        **kwargs: Any,
+    ) -> bytes:
+        """Run one API call with a deadline; return the 2xx body or raise an ApiError."""
+        what = f"{verb} {kind.plural}/{name}" if name else f"{verb} {kind.plural}"
+        started = time.monotonic()
+        code: int | str = "error"
+        try:
+            try:
+                # aiohttp's own total timeout covers connect + headers + body; the outer
+                # deadline also bounds auth-hook and DNS work done before the request.
+                async with asyncio.timeout(self._timeout):
+                    resp = await fn(
+                        *args,
+                        _preload_content=False,
+                        _request_timeout=self._timeout,
+                        **kwargs,
+                    )
+                    try:
+                        body: bytes = await resp.read()
+                    finally:
+                        resp.release()
+                    status = int(resp.status)
+            except Exception as exc:
+                mapped = map_exception(exc, kind=kind.plural, what=what)
+                if mapped is None:
+                    raise
+                if mapped.status:
+                    code = mapped.status
+                raise mapped from exc
+            code = status
+        finally:
+            if self._metrics is not None:
+                self._metrics.observe(verb, kind.plural, code, time.monotonic() - started)
+        if not 200 <= status < 300:
+            raise error_for_status(status, f"{what}: {_status_message(body)}", kind=kind.plural)
+        return body
+
+    def _decode_one(self, raw: bytes, type_: type[T], kind: ResourceKind, name: str) -> T:
+        try:
+            return from_k8s(raw, type_)
+        except DecodeError as exc:
+            # The server's object does not fit our model: not retryable, say where.
+            raise error_for_status(
+                422, f"decode {kind.plural}/{name} failed at {exc.path}: {exc}", kind=kind.plural
+            ) from exc
+
+    def _decode_list(self, raw: bytes, type_: type[T], kind: ResourceKind) -> _ObjectList[T]:
+        try:
+            return from_k8s(raw, _list_type(type_))
+        except DecodeError:
+            pass
+        # Slow path: one bad object must not blind the service to all the others. Decode
+        # item by item and skip (and log) the ones that do not fit.
+        try:
+            rough = from_k8s(raw, _list_type(msgspec.Raw))
+        except DecodeError as exc:
+            raise error_for_status(
+                422, f"decode {kind.plural} list failed: {exc}", kind=kind.plural
+            ) from exc
+        good: list[T] = []
+        for item in rough.items or ():
+            try:
+                good.append(from_k8s(bytes(item), type_))
+            except DecodeError as exc:
+                _log.warning(
+                    "skipping undecodable object",
+                    kind=kind.plural,
+                    name=_object_name(bytes(item)),
+                    path=exc.path,
+                    error=str(exc)[:_STATUS_MESSAGE_LIMIT],
+                )
+        return _ObjectList(items=good, metadata=rough.metadata)
+
+
+class _NameMeta(msgspec.Struct, frozen=True):
+    name: str = ""
+
+
+class _NameOnly(msgspec.Struct, frozen=True):
+    metadata: _NameMeta = msgspec.field(default_factory=_NameMeta)
+
+
+def _object_name(raw: bytes) -> str:
+    try:
+        return msgspec.json.decode(raw, type=_NameOnly).metadata.name
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ""

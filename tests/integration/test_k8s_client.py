@@ -1,0 +1,344 @@
+"""KubeClient against the real kube-apiserver: paging, decoding, errors, auth, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import yaml
+from kubernetes_asyncio import client
+from prometheus_client import CollectorRegistry
+
+from service.crs.ports import (
+    ConflictError,
+    ForbiddenError,
+    InvalidError,
+    NotFoundError,
+    UnavailableError,
+)
+from service.k8s import (
+    COMMITTED_RESOURCES,
+    RESERVATIONS,
+    K8sMetrics,
+    KubeClient,
+    ListClusterState,
+)
+from service.model import CommittedResource, Reservation
+from tests import factories as f
+from tests.conftest import REPO, DevStack
+
+MERGE = "application/merge-patch+json"
+
+
+@pytest_asyncio.fixture
+async def kube(clean_k8s: Any, devstack: DevStack) -> AsyncIterator[tuple[KubeClient, Any]]:
+    registry = CollectorRegistry()
+    async with await KubeClient.create(devstack.kubeconfig, metrics=K8sMetrics(registry)) as kc:
+        yield kc, registry
+
+
+def requests(registry: CollectorRegistry, verb: str, kind: str, code: str) -> float:
+    value = registry.get_sample_value(
+        "crs_k8s_requests_total", {"verb": verb, "kind": kind, "code": code}
+    )
+    return value or 0.0
+
+
+def ca_file(devstack: DevStack) -> str:
+    return str(devstack.run_dir / "pki" / "ca.crt")
+
+
+async def test_paging_returns_every_object(kube: tuple[KubeClient, Any], clean_k8s: Any) -> None:
+    kc, registry = kube
+    co = client.CustomObjectsApi(clean_k8s)
+    objs = [f.reservation(f"r-{i:02d}", host=f"h-{i % 3}") for i in range(23)]
+    objs += [f.reservation(f"fo-{i}", host="h-0", label="failover") for i in range(4)]
+    for o in objs:
+        o.pop("status")
+    await asyncio.gather(*(co.create_cluster_custom_object(*f.RES, o) for o in objs))
+
+    got = await kc.list_reservations(limit=5)
+
+    assert sorted(r.name for r in got) == [f"r-{i:02d}" for i in range(23)]
+    assert requests(registry, "list", "reservations", "200") == 5  # ceil(23 / 5) pages
+    everything = await kc.list_objects(RESERVATIONS, Reservation, limit=4)
+    assert len(everything.items) == 27
+    assert everything.resource_version
+
+
+async def test_list_decodes_typed_objects(kube: tuple[KubeClient, Any], clean_k8s: Any) -> None:
+    kc, _ = kube
+    await asyncio.gather(
+        f.create(clean_k8s, f.hypervisor("hv-1", memory="1Ti", allocated="300Gi")),
+        f.create(clean_k8s, f.committed_resource("cr-1", amount="1280Gi", used="640Mi")),
+        f.create(
+            clean_k8s,
+            f.reservation("r-1", host="hv-1", allocations={"vm-1": f.allocation("4Gi")}),
+        ),
+        f.create(clean_k8s, f.knowledge([f.flavor_group("g1", [f.flavor("m1", 2048, 1)])])),
+    )
+    (hv,) = await kc.list_hypervisors()
+    assert hv.status.capacity is not None
+    assert hv.status.capacity["memory"].value() == 1 << 40
+    (cr,) = await kc.list_committed_resources()
+    assert (cr.spec.project_id, cr.spec.state, str(cr.spec.amount)) == ("p1", "confirmed", "1280Gi")
+    res = await kc.get_reservation("r-1")
+    assert res is not None
+    assert res.metadata.resource_version
+    crr = res.spec.committed_resource_reservation
+    assert crr is not None
+    assert crr.allocations is not None
+    assert "vm-1" in crr.allocations
+    kn = await kc.get_knowledge()
+    assert kn is not None
+    assert kn.status.raw["features"][0]["name"] == "g1"
+
+
+async def test_undecodable_list_item_is_skipped_not_fatal(kube: tuple[KubeClient, Any]) -> None:
+    # The dev-stack schemas already reject a malformed quantity (422), so a bad object
+    # cannot be stored here; a cluster with looser CRDs could hold one. Decode a list
+    # body as the server would send it, with one such item among good ones.
+    kc, _ = kube
+    good = f.committed_resource("good")
+    bad = f.committed_resource("bad")
+    bad["spec"]["amount"] = "12 apples"
+    body = json.dumps(
+        {
+            "kind": "CommittedResourceList",
+            "metadata": {"resourceVersion": "7"},
+            "items": [good, bad],
+        }
+    ).encode()
+    page = kc._decode_list(body, CommittedResource, COMMITTED_RESOURCES)
+    assert [c.metadata.name for c in page.items or ()] == ["good"]
+    assert page.metadata.resourceVersion == "7"
+
+
+async def test_get_missing_is_none_or_not_found(kube: tuple[KubeClient, Any]) -> None:
+    kc, registry = kube
+    assert await kc.get_reservation("missing") is None
+    assert await kc.get_knowledge() is None
+    with pytest.raises(NotFoundError) as exc:
+        await kc.get_object(RESERVATIONS, "missing", Reservation)
+    assert exc.value.status == 404
+    assert exc.value.kind == "reservations"
+    assert requests(registry, "get", "reservations", "404") == 2
+    assert requests(registry, "get", "knowledges", "404") == 1
+
+
+async def test_patch_allocation_is_guarded_by_resource_version(
+    kube: tuple[KubeClient, Any], clean_k8s: Any
+) -> None:
+    kc, registry = kube
+    await f.create(clean_k8s, f.reservation("r-1", host="h"))
+    read = await kc.get_reservation("r-1")
+    assert read is not None
+    alloc: dict[str, object] = {
+        "creationTimestamp": "2026-01-01T00:00:00Z",
+        "resources": {"memory": "4Gi", "cpu": "2"},
+    }
+    written = await kc.patch_allocation(read, "vm-1", alloc)
+    crr = written.spec.committed_resource_reservation
+    assert crr is not None
+    assert crr.allocations is not None
+    assert str(crr.allocations["vm-1"].resources["memory"]) == "4Gi"
+    assert written.metadata.resource_version != read.metadata.resource_version
+
+    with pytest.raises(ConflictError) as exc:  # ``read`` is stale now
+        await kc.patch_allocation(read, "vm-2", alloc)
+    assert exc.value.status == 409
+    stored = await kc.get_reservation("r-1")
+    assert stored is not None
+    assert stored.spec.committed_resource_reservation is not None
+    assert set(stored.spec.committed_resource_reservation.allocations or {}) == {"vm-1"}
+
+    await client.CustomObjectsApi(clean_k8s).delete_cluster_custom_object(*f.RES, "r-1")
+    with pytest.raises(NotFoundError):
+        await kc.patch_allocation(stored, "vm-3", alloc)
+    assert requests(registry, "patch", "reservations", "200") == 1
+    assert requests(registry, "patch", "reservations", "409") == 1
+    assert requests(registry, "patch", "reservations", "404") == 1
+
+
+async def test_invalid_patch_is_invalid_error(kube: tuple[KubeClient, Any], clean_k8s: Any) -> None:
+    kc, _ = kube
+    await f.create(clean_k8s, f.reservation("r-1", host="h"))
+    read = await kc.get_reservation("r-1")
+    assert read is not None
+    with pytest.raises(InvalidError) as exc:
+        await kc.patch_allocation(read, "vm-1", {"creationTimestamp": "not a time"})
+    assert exc.value.status == 422
+    assert not exc.value.retryable
+
+
+# --- authentication and authorisation -----------------------------------------------------
+
+
+@pytest_asyncio.fixture
+async def service_account(kube_api: Any) -> AsyncIterator[tuple[str, str]]:
+    """A fresh ServiceAccount with no permissions, and a token for it."""
+    core = client.CoreV1Api(kube_api)
+    name = f"crs-test-{uuid.uuid4().hex[:8]}"
+    await core.create_namespaced_service_account(
+        "default", client.V1ServiceAccount(metadata=client.V1ObjectMeta(name=name))
+    )
+    try:
+        tr = await core.create_namespaced_service_account_token(
+            name,
+            "default",
+            client.AuthenticationV1TokenRequest(
+                spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=600)
+            ),
+        )
+        yield name, tr.status.token
+    finally:
+        await core.delete_namespaced_service_account(name, "default")
+
+
+async def test_token_without_rbac_is_forbidden(
+    devstack: DevStack, service_account: tuple[str, str]
+) -> None:
+    _, token = service_account
+    registry = CollectorRegistry()
+    async with KubeClient.from_token(
+        devstack.apiserver, ca_file(devstack), token, metrics=K8sMetrics(registry)
+    ) as kc:
+        with pytest.raises(ForbiddenError) as exc:
+            await kc.list_reservations()
+        assert exc.value.status == 403
+        assert not exc.value.retryable
+        with pytest.raises(ForbiddenError):
+            await kc.get_knowledge()
+    assert requests(registry, "list", "reservations", "403") == 1
+
+
+async def test_bad_token_is_forbidden_401(devstack: DevStack) -> None:
+    async with KubeClient.from_token(devstack.apiserver, ca_file(devstack), "garbage") as kc:
+        with pytest.raises(ForbiddenError) as exc:
+            await kc.list_hypervisors()
+    assert exc.value.status == 401
+
+
+async def test_deploy_clusterrole_grants_exactly_what_the_service_uses(
+    devstack: DevStack, kube_api: Any, clean_k8s: Any, service_account: tuple[str, str]
+) -> None:
+    """The production ClusterRole (deploy/clusterrole.yaml) is enough for every call."""
+    sa, token = service_account
+    role = yaml.safe_load((REPO / "deploy" / "clusterrole.yaml").read_text())
+    role = copy.deepcopy(role)
+    role["metadata"] = {"name": f"{sa}-role"}
+    rbac = client.RbacAuthorizationV1Api(kube_api)
+    await rbac.create_cluster_role(role)
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": f"{sa}-binding"},
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": f"{sa}-role",
+        },
+        "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": "default"}],
+    }
+    await rbac.create_cluster_role_binding(binding)
+    try:
+        await f.create(clean_k8s, f.reservation("r-1", host="h"))
+        async with KubeClient.from_token(devstack.apiserver, ca_file(devstack), token) as kc:
+            state = ListClusterState(kc)
+            for _ in range(50):  # RBAC changes reach the authorizer asynchronously
+                try:
+                    await state.snapshot(["h"], "p1")
+                    break
+                except ForbiddenError:
+                    await asyncio.sleep(0.1)
+            snap = await state.snapshot(["h"], "p1")
+            assert snap.knowledge is None
+            (res,) = await state.reservations_on_host("h")
+            await state.patch_allocation(
+                res,
+                "vm-1",
+                {"creationTimestamp": "2026-01-01T00:00:00Z", "resources": {"memory": "1Gi"}},
+            )
+    finally:
+        await rbac.delete_cluster_role_binding(f"{sa}-binding")
+        await rbac.delete_cluster_role(f"{sa}-role")
+
+
+# --- unavailability -------------------------------------------------------------------------
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+async def test_refused_connection_is_unavailable(devstack: DevStack) -> None:
+    registry = CollectorRegistry()
+    server = f"https://127.0.0.1:{_closed_port()}"
+    async with KubeClient.from_token(
+        server, ca_file(devstack), "x", request_timeout_s=2.0, metrics=K8sMetrics(registry)
+    ) as kc:
+        started = time.monotonic()
+        with pytest.raises(UnavailableError) as exc:
+            await kc.list_reservations()
+        assert time.monotonic() - started < 2.5
+    assert exc.value.retryable
+    assert requests(registry, "list", "reservations", "error") == 1
+
+
+async def test_unresponsive_server_times_out_as_unavailable(devstack: DevStack) -> None:
+    """A server that accepts connections and then says nothing: bounded by the timeout."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    srv = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        async with KubeClient.from_token(
+            f"https://127.0.0.1:{port}", ca_file(devstack), "x", request_timeout_s=0.5
+        ) as kc:
+            started = time.monotonic()
+            with pytest.raises(UnavailableError):
+                await kc.get_reservation("r-1")
+            with pytest.raises(UnavailableError):
+                await kc.list_committed_resources()
+            assert time.monotonic() - started < 2.0
+    finally:
+        for w in held:
+            w.close()
+        srv.close()
+        with contextlib.suppress(Exception):
+            await srv.wait_closed()
+
+
+async def test_create_uses_kubeconfig_env(
+    devstack: DevStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KUBECONFIG", devstack.kubeconfig)
+    async with await KubeClient.create() as kc:
+        assert await kc.get_reservation("does-not-exist") is None
+
+
+async def test_create_without_kubeconfig_tries_in_cluster(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    from kubernetes_asyncio.config import ConfigException
+
+    with pytest.raises(ConfigException):
+        await KubeClient.create()
