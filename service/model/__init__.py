@@ -4,6 +4,13 @@ Decode only through :func:`from_k8s` so quantities and errors are handled unifor
 """
 
 from service.model.decode import DecodeError, encode_k8s, from_k8s, to_k8s
+from service.model.events import (
+    ClassificationData,
+    InputEvent,
+    InputRef,
+    OutcomeData,
+    OutputEvent,
+)
 from service.model.k8s import (
     LABEL_RESERVATION_TYPE,
     RESERVATION_TYPE_COMMITTED_RESOURCE,
@@ -39,6 +46,7 @@ from service.model.nova import (
 __all__ = [
     "LABEL_RESERVATION_TYPE",
     "RESERVATION_TYPE_COMMITTED_RESOURCE",
+    "ClassificationData",
     "CommittedResource",
     "CommittedResourceAllocation",
     "CommittedResourceReservationSpec",
@@ -56,6 +64,8 @@ __all__ = [
     "FlavorInGroup",
     "Hypervisor",
     "HypervisorStatus",
+    "InputEvent",
+    "InputRef",
     "Knowledge",
     "KnowledgeStatus",
     "NovaFlavor",
@@ -63,6 +73,8 @@ __all__ = [
     "NovaRequestContext",
     "NovaSpec",
     "ObjectMeta",
+    "OutcomeData",
+    "OutputEvent",
     "Reservation",
     "ReservationSpec",
     "ReservationStatus",

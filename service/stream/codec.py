@@ -1,0 +1,388 @@
+"""Wire codec for the Kafka topics: CloudEvents in, CloudEvents out, dead-letter headers.
+
+Decoding is the poison boundary. :func:`decode_input` raises only :class:`Poison`, whose
+``code`` is one of :data:`POISON_CODES` (stable strings: they are metric labels and the
+``crs.error`` header of dead letters). Everything that reaches the Recorder has passed the
+schema of :class:`~service.model.events.InputEvent`.
+
+Both CloudEvents Kafka content modes are accepted. A ``content-type`` header starting with
+``application/cloudevents`` means structured mode (the value is the whole event); failing
+that, a ``ce_specversion`` header means binary mode (attributes in ``ce_*`` headers, the
+value is just ``data``); with neither, structured mode is assumed, which is what a producer
+that sets no headers at all most likely meant.
+
+Subject consistency is *poison*, not just logged: when the event ``subject`` or the record
+key (if passed) names a different instance than ``data.request``, the producer is broken
+in a way we cannot repair: the key decides the partition, and per-instance ordering (which
+the Recorder relies on when it writes Reservation slots) only holds if every event of a VM
+is keyed by that VM. Guessing which UUID is right could allocate a slot to the wrong VM; a
+dead letter keeps the original bytes and can be replayed once the producer is fixed. For
+the same reason a request without an instance UUID is ``invalid_event``. UUIDs are compared
+case-insensitively (the same VM in a different spelling is not an inconsistency).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, Final, cast
+
+import msgspec
+
+from service.crs.outcome import Outcome
+from service.model.events import (
+    ALLOCATION_STATUSES,
+    CR_SLOTS,
+    KINDS,
+    Allocation,
+    ClassificationData,
+    CrSlot,
+    InputEvent,
+    InputRef,
+    OutcomeData,
+    OutputEvent,
+    Timestamp,
+)
+from service.model.nova import Decision, ExternalSchedulerRequest
+
+__all__ = [
+    "DEFAULT_INPUT_SOURCE",
+    "INPUT_TYPE",
+    "MAX_REASON_BYTES",
+    "OUTPUT_ID_NAMESPACE",
+    "OUTPUT_SOURCE",
+    "OUTPUT_TYPE",
+    "POISON_CODES",
+    "STRUCTURED_CONTENT_TYPE",
+    "InputEvent",
+    "InputRef",
+    "Poison",
+    "PoisonCode",
+    "dead_letter_headers",
+    "decode_input",
+    "encode_input",
+    "encode_output",
+    "output_event_id",
+]
+
+SPECVERSION: Final = "1.0"
+INPUT_TYPE: Final = "cortex.nova.scheduling_outcome.v1"
+OUTPUT_TYPE: Final = "cortex.crs.classification.v1"
+OUTPUT_SOURCE: Final = "crs-consumer"
+DEFAULT_INPUT_SOURCE: Final = "urn:cortex:nova-external-scheduler"
+STRUCTURED_CONTENT_TYPE: Final = "application/cloudevents+json"
+DATA_CONTENT_TYPE: Final = "application/json"
+
+# Fixed forever: changing it changes every output id and defeats de-duplication of replays.
+OUTPUT_ID_NAMESPACE: Final = uuid.UUID("1a78a063-a511-40ec-8082-f5b20aa64804")
+
+# A reason is for humans; msgspec messages are short, but a header must stay bounded.
+MAX_REASON_BYTES: Final = 1024
+
+
+class PoisonCode(StrEnum):
+    """Why an input record can never be processed (retrying would not help)."""
+
+    OVERSIZED = "oversized"  # value larger than max_bytes; not even parsed
+    EMPTY_VALUE = "empty_value"  # None or b"" (e.g. a compaction tombstone)
+    NOT_JSON = "not_json"  # not UTF-8 JSON at all
+    INVALID_EVENT = "invalid_event"  # JSON, but missing or ill-typed fields
+    UNKNOWN_TYPE = "unknown_type"  # a CloudEvent, but not INPUT_TYPE
+    UNSUPPORTED_SPECVERSION = "unsupported_specversion"  # not CloudEvents 1.0
+    INCONSISTENT_SUBJECT = "inconsistent_subject"  # subject/key != request's instance uuid
+
+
+# For the metrics layer: pre-create one dead-letter series per code so rates start at 0.
+POISON_CODES: Final[tuple[str, ...]] = tuple(code.value for code in PoisonCode)
+
+
+class Poison(Exception):
+    """An input record that must be dead-lettered. ``code`` is a :class:`PoisonCode` value."""
+
+    def __init__(self, code: PoisonCode, reason: str) -> None:
+        super().__init__(f"{code.value}: {reason}")
+        self.code: str = code.value
+        self.reason = reason
+
+
+_INPUT_DECODER: Final = msgspec.json.Decoder(InputEvent)
+_DATA_DECODER: Final = msgspec.json.Decoder(OutcomeData)
+_ENCODER: Final = msgspec.json.Encoder()
+
+
+def decode_input(
+    value: bytes | None,
+    headers: Sequence[tuple[str, bytes]] | None,
+    *,
+    max_bytes: int,
+    key: bytes | None = None,
+) -> InputEvent:
+    """Decode one input record (structured or binary mode). Raises only :class:`Poison`.
+
+    ``key`` is optional: when given (and non-empty) it must name the request's instance.
+    """
+    if not value:
+        raise Poison(PoisonCode.EMPTY_VALUE, "record value is empty (a tombstone?)")
+    if len(value) > max_bytes:
+        raise Poison(PoisonCode.OVERSIZED, f"value is {len(value)} bytes, limit {max_bytes}")
+    attrs = _header_map(headers)
+    content_type = attrs.get("content-type", "").lower()
+    if not content_type.startswith("application/cloudevents") and "ce_specversion" in attrs:
+        event = _decode_binary(value, attrs)
+    else:
+        event = _decode_structured(value)
+    _check_subject(event, key)
+    return event
+
+
+def _header_map(headers: Sequence[tuple[str, bytes]] | None) -> dict[str, str]:
+    # Only the few headers we read are decoded; a header we ignore cannot poison a record.
+    out: dict[str, str] = {}
+    for name, raw in headers or ():
+        lname = name.lower()
+        if raw is None or not (lname == "content-type" or lname.startswith("ce_")):
+            continue
+        try:
+            out[lname] = bytes(raw).decode("utf-8")
+        except (UnicodeDecodeError, TypeError) as exc:
+            raise Poison(PoisonCode.INVALID_EVENT, f"header {name!r} is not UTF-8") from exc
+    return out
+
+
+def _decode_structured(value: bytes) -> InputEvent:
+    try:
+        return _INPUT_DECODER.decode(value)
+    except msgspec.ValidationError as exc:  # before DecodeError: it is a subclass
+        raise _classify_invalid(value, exc, binary=False) from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        # msgspec raises UnicodeDecodeError (not DecodeError) for bad UTF-8 in a string.
+        raise Poison(PoisonCode.NOT_JSON, str(exc)) from None
+
+
+def _classify_invalid(value: bytes, exc: msgspec.ValidationError, *, binary: bool) -> Poison:
+    """Refine a schema failure into the most useful code.
+
+    msgspec validates while it parses, so garbage that starts like a number (``7\x9f...``)
+    fails as "expected object, got int" before the syntax error is seen: an untyped parse
+    tells "not JSON" from "wrong JSON". A foreign event should then say so rather than
+    "field X is wrong"; the spec version is checked first, as it defines how to read the
+    rest. This runs only on the (rare) error path; the happy path parses once.
+    """
+    try:
+        doc = msgspec.json.decode(value)
+    except (msgspec.DecodeError, UnicodeDecodeError) as not_json:
+        return Poison(PoisonCode.NOT_JSON, str(not_json))
+    if binary:
+        # msgspec's path is relative to the value, which in binary mode is ``data``.
+        return Poison(PoisonCode.INVALID_EVENT, f"binary-mode data: {exc}")
+    if isinstance(doc, dict):
+        specversion, event_type = doc.get("specversion"), doc.get("type")
+        if specversion is not None and specversion != SPECVERSION:
+            return _bad_specversion(specversion)
+        if event_type is not None and event_type != INPUT_TYPE:
+            return _bad_type(event_type)
+    return Poison(PoisonCode.INVALID_EVENT, str(exc))
+
+
+def _bad_specversion(found: object) -> Poison:
+    return Poison(
+        PoisonCode.UNSUPPORTED_SPECVERSION, f"specversion {found!r}, expected {SPECVERSION!r}"
+    )
+
+
+def _bad_type(found: object) -> Poison:
+    return Poison(PoisonCode.UNKNOWN_TYPE, f"type {found!r}, expected {INPUT_TYPE!r}")
+
+
+def _decode_binary(value: bytes, attrs: Mapping[str, str]) -> InputEvent:
+    # Header checks first: a foreign event is rejected without parsing its value.
+    if attrs["ce_specversion"] != SPECVERSION:
+        raise _bad_specversion(attrs["ce_specversion"])
+    event_type = _required_header(attrs, "ce_type")
+    if event_type != INPUT_TYPE:
+        raise _bad_type(event_type)
+    event_id = _required_header(attrs, "ce_id")
+    source = _required_header(attrs, "ce_source")
+    time: datetime | None = None
+    if "ce_time" in attrs:
+        try:
+            time = msgspec.convert(attrs["ce_time"], Timestamp)
+        except msgspec.ValidationError as exc:
+            raise Poison(PoisonCode.INVALID_EVENT, f"header ce_time: {exc}") from None
+    try:
+        data = _DATA_DECODER.decode(value)
+    except msgspec.ValidationError as exc:
+        raise _classify_invalid(value, exc, binary=True) from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise Poison(PoisonCode.NOT_JSON, str(exc)) from None
+    return InputEvent(
+        specversion=SPECVERSION,
+        id=event_id,
+        source=source,
+        type=INPUT_TYPE,
+        time=time,
+        subject=attrs.get("ce_subject"),
+        datacontenttype=attrs.get("content-type"),
+        data=data,
+    )
+
+
+def _required_header(attrs: Mapping[str, str], name: str) -> str:
+    found = attrs.get(name)
+    if not found:
+        raise Poison(PoisonCode.INVALID_EVENT, f"binary mode: header {name!r} missing or empty")
+    return found
+
+
+def _check_subject(event: InputEvent, key: bytes | None) -> None:
+    instance = event.data.request.instance_uuid
+    if not instance:
+        raise Poison(
+            PoisonCode.INVALID_EVENT,
+            "request has no instance_uuid - at `$.data.request.spec.nova_object.data`",
+        )
+    if event.subject and event.subject.lower() != instance.lower():
+        raise Poison(
+            PoisonCode.INCONSISTENT_SUBJECT,
+            f"subject {event.subject!r} != request instance_uuid {instance!r}",
+        )
+    if key:
+        text = bytes(key).decode("utf-8", errors="replace")
+        if text.lower() != instance.lower():
+            raise Poison(
+                PoisonCode.INCONSISTENT_SUBJECT,
+                f"record key {text!r} != request instance_uuid {instance!r}",
+            )
+
+
+def output_event_id(input_id: str) -> str:
+    """The output event id for an input event id: a UUIDv5, stable across replays."""
+    return str(uuid.uuid5(OUTPUT_ID_NAMESPACE, input_id))
+
+
+def encode_output(
+    event: InputEvent, ref: InputRef, outcome: Outcome, *, now: datetime | None = None
+) -> bytes:
+    """The classification event for ``outcome`` (structured mode), as JSON bytes.
+
+    ``ref.id`` may be empty (the consumer makes the reference before decoding); the
+    event's id is filled in. Raises ``ValueError`` if the outcome is off-contract (an
+    unknown ``cr_slot``, ``kind`` or allocation, or a naive ``now``): a bug upstream must
+    not publish events that violate the schema consumers validate against.
+    """
+    if outcome.cr_slot not in CR_SLOTS:
+        raise ValueError(f"cr_slot {outcome.cr_slot!r} is not one of {sorted(CR_SLOTS)}")
+    if outcome.kind not in KINDS:
+        raise ValueError(f"kind {outcome.kind!r} is not one of {sorted(KINDS)}")
+    allocation = str(outcome.allocation)
+    if allocation not in ALLOCATION_STATUSES:
+        raise ValueError(f"allocation {allocation!r} is not one of {sorted(ALLOCATION_STATUSES)}")
+    if now is None:
+        now = datetime.now(UTC)
+    elif now.tzinfo is None:
+        raise ValueError("now must be timezone-aware (RFC 3339 needs an offset)")
+    if ref.id != event.id:
+        ref = msgspec.structs.replace(ref, id=event.id)
+    data = ClassificationData(
+        input=ref,
+        kind=outcome.kind,
+        cr_slot=cast(CrSlot, outcome.cr_slot),
+        instance_uuid=outcome.instance_uuid,
+        project_id=outcome.project_id,
+        flavor_name=outcome.flavor_name,
+        flavor_group=outcome.flavor_group,
+        intent=outcome.intent,
+        target_host=outcome.target_host,
+        reservation=outcome.reservation,
+        allocation=cast(Allocation, allocation),
+        vm_memory_bytes=outcome.vm_memory_bytes,
+    )
+    return _ENCODER.encode(
+        OutputEvent(
+            specversion=SPECVERSION,
+            id=output_event_id(event.id),
+            source=OUTPUT_SOURCE,
+            type=OUTPUT_TYPE,
+            time=now,
+            subject=outcome.instance_uuid,
+            datacontenttype=DATA_CONTENT_TYPE,
+            data=data,
+        )
+    )
+
+
+def dead_letter_headers(code: str, reason: str, ref: InputRef) -> list[tuple[str, bytes]]:
+    """The ``crs.*`` headers of a dead letter (the caller keeps the key, value and headers).
+
+    The reason is cut to :data:`MAX_REASON_BYTES` of UTF-8 without splitting a character.
+    """
+    raw = reason.encode("utf-8", errors="replace")
+    if len(raw) > MAX_REASON_BYTES:
+        cut = raw[: MAX_REASON_BYTES - 3].decode("utf-8", errors="ignore")
+        raw = (cut + "...").encode("utf-8")
+    return [
+        ("crs.error", code.encode("utf-8")),
+        ("crs.reason", raw),
+        ("crs.source.topic", ref.topic.encode("utf-8")),
+        ("crs.source.partition", str(ref.partition).encode("ascii")),
+        ("crs.source.offset", str(ref.offset).encode("ascii")),
+    ]
+
+
+def encode_input(
+    decision: Decision | Mapping[str, Any],
+    request: ExternalSchedulerRequest | Mapping[str, Any],
+    *,
+    event_id: str | None = None,
+    source: str = DEFAULT_INPUT_SOURCE,
+    time: datetime | None = None,
+    subject: str | None = None,
+    binary: bool = False,
+) -> tuple[bytes, list[tuple[str, bytes]]]:
+    """Producer side: a well-formed input record as ``(value, headers)``.
+
+    For tests, the demo and benchmarks. A mapping ``request`` is sent verbatim, so a real
+    Nova request keeps every field the consumer ignores. ``subject`` defaults to the
+    request's instance UUID; ``event_id`` to a random UUID; ``time`` to now (UTC).
+    """
+    if event_id is None:
+        event_id = str(uuid.uuid4())
+    if time is None:
+        time = datetime.now(UTC)
+    if subject is None:
+        subject = _instance_uuid(request)
+    data = {"decision": decision, "request": request}
+    if binary:
+        headers = [
+            ("ce_specversion", SPECVERSION.encode()),
+            ("ce_id", event_id.encode()),
+            ("ce_source", source.encode()),
+            ("ce_type", INPUT_TYPE.encode()),
+            ("ce_time", _ENCODER.encode(time)[1:-1]),  # RFC 3339, without the JSON quotes
+            ("content-type", DATA_CONTENT_TYPE.encode()),
+        ]
+        if subject:
+            headers.insert(5, ("ce_subject", subject.encode()))
+        return _ENCODER.encode(data), headers
+    envelope: dict[str, Any] = {
+        "specversion": SPECVERSION,
+        "id": event_id,
+        "source": source,
+        "type": INPUT_TYPE,
+        "time": time,
+        "datacontenttype": DATA_CONTENT_TYPE,
+        "data": data,
+    }
+    if subject:
+        envelope["subject"] = subject
+    return _ENCODER.encode(envelope), [("content-type", STRUCTURED_CONTENT_TYPE.encode())]
+
+
+def _instance_uuid(request: ExternalSchedulerRequest | Mapping[str, Any]) -> str:
+    if isinstance(request, ExternalSchedulerRequest):
+        return request.instance_uuid
+    spec = request.get("spec") or {}
+    found = (spec.get("nova_object.data") or {}).get("instance_uuid")
+    return found if isinstance(found, str) else ""
