@@ -1,12 +1,16 @@
 """Micro-benchmark of the pure CR core: decode, index, classify.
 
-Run: ``.venv/bin/python bench/bench_core.py [--requests N] [--seed S]``
+Run: ``.venv/bin/python bench/bench_core.py [--requests N] [--repetitions R] [--seed S]``
 
-Builds a synthetic cluster (10,000 hypervisors, 50,000 reservations, decoded through
-``from_k8s`` from API-shaped dicts), classifies requests of 20 candidate hosts with both
-classifiers, and repeats the classification on a 100-hypervisor cluster. The per-request
-ratio between the two shows whether a query's cost depends on the cluster size (it must
-not: the goal is <= 1.3).
+Builds two synthetic clusters in one process, a large one (10,000 hypervisors, 50,000
+reservations) and a small one (100 hypervisors, 500 reservations), both decoded through
+``from_k8s`` from API-shaped dicts, with 5 slots per host and the *same*
+CommittedResources. Both then classify the same request stream (the same project/group
+sequence, 20 random candidate hosts of their own cluster each) with both classifiers.
+After a warm-up, the repetitions alternate between the clusters so that load drift on a
+shared machine hits both alike; each repetition's median and p99 are kept, and the
+report gives the median over repetitions and the per-repetition ratio large/small. That
+ratio shows whether a query's cost depends on the cluster size (the goal is <= 1.3).
 """
 
 from __future__ import annotations
@@ -19,19 +23,17 @@ import statistics
 import sys
 import time
 import tracemalloc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.crs import (
-    SlotEvaluator,
-    active_commitments,
-    classify_no_host_found,
-    classify_placement,
-)
+# Submodules, not the package: the script also runs against older trees for before/after.
+from service.crs.classify import classify_no_host_found, classify_placement
+from service.crs.commitments import active_commitments
+from service.crs.evaluator import SlotEvaluator, hv_free_memory, is_slot
 from service.model import (
     CommittedResource,
     Hypervisor,
@@ -119,14 +121,22 @@ class Cluster:
     crs_index: dict[tuple[str, str], list[CommittedResource]]
     hosts: list[str]
     build_seconds: float
+    # The per-host indexes a watch cache holds, for the per-request constructor paths.
+    free: dict[str, int]
+    slots_by_host: dict[str, list[Reservation]]
 
 
 def build(n_hv: int, n_res: int, seed: int) -> Cluster:
     rng = random.Random(seed)
     hv_raw = [hv_dict(i, rng) for i in range(n_hv)]
     res_raw = [res_dict(i, n_hv, rng) for i in range(n_res)]
+    # Own generator: every cluster size gets exactly the same CommittedResources.
+    cr_rng = random.Random(seed + 7)
     cr_raw = [
-        cr_dict(p, g, rng) for p in range(PROJECTS) for g in range(GROUPS) if rng.random() < 0.5
+        cr_dict(p, g, cr_rng)
+        for p in range(PROJECTS)
+        for g in range(GROUPS)
+        if cr_rng.random() < 0.5
     ]
 
     start = time.perf_counter()
@@ -134,37 +144,81 @@ def build(n_hv: int, n_res: int, seed: int) -> Cluster:
     reservations = [from_k8s(d, Reservation) for d in res_raw]
     crs = [from_k8s(d, CommittedResource) for d in cr_raw]
     evaluator = SlotEvaluator.from_objects(hvs, reservations)
+    free = {h.metadata.name or "": hv_free_memory(h) for h in hvs}
+    slots_by_host: dict[str, list[Reservation]] = {}
+    for r in reservations:
+        if is_slot(r):
+            slots_by_host.setdefault(r.spec.target_host, []).append(r)
     # A watch cache keeps CRs indexed by (project, group); the request then reads one list.
     crs_index: dict[tuple[str, str], list[CommittedResource]] = {}
     for cr in crs:
         crs_index.setdefault((cr.spec.project_id, cr.spec.flavor_group_name), []).append(cr)
     elapsed = time.perf_counter() - start
-    return Cluster(evaluator, crs_index, [h.metadata.name or "" for h in hvs], elapsed)
+    hosts = [h.metadata.name or "" for h in hvs]
+    return Cluster(evaluator, crs_index, hosts, elapsed, free, slots_by_host)
+
+
+Request = tuple[str, str, list[str]]
+
+
+def make_requests(
+    cluster: Cluster, groups: Sequence[tuple[str, str]], hosts_per_request: int, seed: int
+) -> list[Request]:
+    """One request per (project, group), each naming random hosts of ``cluster``.
+
+    Each request's host strings are fresh copies, as they would be when decoded from a
+    scheduler event (not the very objects the indexes hold as keys).
+    """
+    rng = random.Random(seed)
+    return [
+        (project, group, ["".join(h) for h in rng.sample(cluster.hosts, hosts_per_request)])
+        for project, group in groups
+    ]
+
+
+Mode = Callable[[Cluster, list[str]], SlotEvaluator] | None
+
+
+def per_request_ctor(cluster: Cluster, hosts: list[str]) -> SlotEvaluator:
+    """The original constructor over the request's hosts (Reservation lists)."""
+    free, by_host = cluster.free, cluster.slots_by_host
+    return SlotEvaluator(
+        {h: free[h] for h in hosts if h in free},
+        {h: by_host[h] for h in hosts if h in by_host},
+    )
+
+
+def per_request_host_slots(cluster: Cluster, hosts: list[str]) -> SlotEvaluator:
+    """``from_host_slots`` over the request's hosts (HostSlots a cache keeps)."""
+    free, by_host, ev = cluster.free, cluster.slots_by_host, cluster.evaluator
+    return SlotEvaluator.from_host_slots(
+        {h: free[h] for h in hosts if h in free},
+        {h: ev.host_slots(h) for h in hosts if h in by_host},
+    )
 
 
 def classify_requests(
-    cluster: Cluster, n_requests: int, hosts_per_request: int, seed: int
+    cluster: Cluster, requests: Sequence[Request], mode: Mode = None
 ) -> list[float]:
-    """Time both classifiers per request.
+    """Time both classifiers per request, in microseconds.
 
     Every request's project has an active, non-exhausted CR and (with 16,000
     project/group pairs over 5 slots a host) almost never a slot on its hosts: the
-    worst case, where both classifiers look at every slot of every one of the 20 hosts.
+    worst case, where both classifiers look at every one of the 20 hosts. With a
+    ``mode``, each request first builds its own evaluator over its hosts (timed too).
     """
-    rng = random.Random(seed)
-    with_cr = sorted(cluster.crs_index)
-    requests = []
-    for _ in range(n_requests):
-        project, group = rng.choice(with_cr)
-        requests.append((project, group, rng.sample(cluster.hosts, hosts_per_request)))
     timings: list[float] = []
     ev = cluster.evaluator
+    crs_index = cluster.crs_index
+    clock = time.perf_counter_ns
     for project, group, hosts in requests:
-        t0 = time.perf_counter_ns()
-        active = active_commitments(cluster.crs_index.get((project, group), ()), project, group)
+        t0 = clock()
+        if mode is not None:
+            ev = mode(cluster, hosts)
+        active = active_commitments(crs_index.get((project, group), ()), project, group)
         classify_placement(ev, active, hosts, project, group)
         classify_no_host_found(active, ev, hosts, project, group, 8 * GI)
-        timings.append((time.perf_counter_ns() - t0) / 1000.0)
+        timings.append((clock() - t0) / 1000.0)
     return timings
 
 
@@ -185,51 +239,117 @@ def retained_bytes(n_hv: int, n_res: int, seed: int) -> int:
     return current
 
 
+@dataclass
+class Run:
+    label: str
+    cluster: Cluster
+    requests: list[Request]
+    mode: Mode
+    medians: list[float]
+    p99s: list[float]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--requests", type=int, default=10_000)
+    parser.add_argument("--requests", type=int, default=5_000, help="per repetition")
+    parser.add_argument("--repetitions", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2_000)
     parser.add_argument("--hosts-per-request", type=int, default=20)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--skip-memory", action="store_true", help="skip the tracemalloc pass")
     args = parser.parse_args()
 
     print(f"python {sys.version.split()[0]}")
-    results: dict[str, tuple[float, float]] = {}
-    runs = (
-        ("large", 10_000, 50_000, None),
-        # Control: the large cluster, but requests only name its first 100 hosts. Same
-        # code, same object count per request; only the memory the run touches shrinks.
-        ("large-hot100", 10_000, 50_000, 100),
-        ("small", 100, 500, None),
+    large = build(10_000, 50_000, args.seed)
+    small = build(100, 500, args.seed)
+    # Control: the large cluster, but requests name only its first 100 hosts. Same code,
+    # same slots per request; only the memory the requests touch shrinks.
+    hot100 = Cluster(
+        large.evaluator,
+        large.crs_index,
+        large.hosts[:100],
+        large.build_seconds,
+        large.free,
+        large.slots_by_host,
     )
-    for label, n_hv, n_res, host_limit in runs:
-        cluster = build(n_hv, n_res, args.seed)
-        if host_limit is not None:
-            cluster.hosts = cluster.hosts[:host_limit]
-        # What a long-running service does after its initial LIST: move the (acyclic,
-        # long-lived) cache out of the collector's way so a full collection does not
-        # land in the middle of a request.
-        gc.collect()
-        gc.freeze()
-        # Warm-up pass so every run is measured with warm caches, then the real run.
-        classify_requests(cluster, 500, args.hosts_per_request, args.seed + 1)
-        timings = classify_requests(cluster, args.requests, args.hosts_per_request, args.seed + 2)
-        med, tail = statistics.median(timings), p99(timings)
-        results[label] = (med, tail)
-        print(
-            f"{label:>12}: {n_hv:>6} hypervisors, {n_res:>6} reservations | "
-            f"build {cluster.build_seconds:.2f} s | "
-            f"per request ({args.hosts_per_request} hosts, both classifiers): "
-            f"median {med:.1f} us, p99 {tail:.1f} us"
+    # The request stream: projects/groups that hold an active CR, the same for all runs.
+    rng = random.Random(args.seed + 1)
+    with_cr = sorted(large.crs_index)
+    assert with_cr == sorted(small.crs_index)
+    groups = [rng.choice(with_cr) for _ in range(args.requests)]
+    warm_groups = [rng.choice(with_cr) for _ in range(args.warmup)]
+    plans: list[tuple[str, Cluster, Mode]] = [
+        ("large", large, None),
+        ("large-hot100", hot100, None),
+        ("small", small, None),
+        # How a watch cache builds an evaluator per request, over the request's hosts.
+        ("large/ctor", large, per_request_ctor),
+        ("small/ctor", small, per_request_ctor),
+    ]
+    if hasattr(SlotEvaluator, "from_host_slots"):
+        plans += [
+            ("large/hslots", large, per_request_host_slots),
+            ("small/hslots", small, per_request_host_slots),
+        ]
+    # Same hosts for a cluster whatever the mode: only the evaluator differs.
+    seeds = {id(large): args.seed + 2, id(hot100): args.seed + 3, id(small): args.seed + 4}
+    runs = [
+        Run(
+            label,
+            cluster,
+            make_requests(cluster, groups, args.hosts_per_request, seeds[id(cluster)]),
+            mode,
+            [],
+            [],
         )
-        del cluster
-        gc.unfreeze()
-        gc.collect()
+        for label, cluster, mode in plans
+    ]
+    # What a long-running service does after its initial LIST: move the (acyclic,
+    # long-lived) cache out of the collector's way so a full collection does not land
+    # in the middle of a request.
+    gc.collect()
+    gc.freeze()
+    for run in runs:
+        warm = make_requests(run.cluster, warm_groups, args.hosts_per_request, 0)
+        classify_requests(run.cluster, warm, run.mode)
+    for _ in range(args.repetitions):
+        for run in runs:
+            timings = classify_requests(run.cluster, run.requests, run.mode)
+            run.medians.append(statistics.median(timings))
+            run.p99s.append(p99(timings))
 
-    for num in ("large", "large-hot100"):
-        ratio_med = results[num][0] / results["small"][0]
-        ratio_p99 = results[num][1] / results["small"][1]
-        print(f"ratio {num}/small: median {ratio_med:.2f}, p99 {ratio_p99:.2f} (goal <= 1.3)")
+    print(
+        f"{args.repetitions} repetitions x {args.requests} requests of "
+        f"{args.hosts_per_request} hosts, both classifiers; median over repetitions "
+        f"[min..max of the repetitions' medians]"
+    )
+    by_label = {run.label: run for run in runs}
+    for run in runs:
+        n_hv = len(run.cluster.hosts) if run.label != "large-hot100" else 10_000
+        print(
+            f"{run.label:>13}: {n_hv:>6} hypervisors | build {run.cluster.build_seconds:.2f} s | "
+            f"per request median {statistics.median(run.medians):.1f} us "
+            f"[{min(run.medians):.1f}..{max(run.medians):.1f}], "
+            f"p99 {statistics.median(run.p99s):.1f} us "
+            f"[{min(run.p99s):.1f}..{max(run.p99s):.1f}]"
+        )
+    pairs = [("large", "small"), ("large-hot100", "small"), ("large/ctor", "small/ctor")]
+    if "large/hslots" in by_label:
+        pairs.append(("large/hslots", "small/hslots"))
+    for label, base_label in pairs:
+        run, base = by_label[label], by_label[base_label]
+        med_ratios = [a / b for a, b in zip(run.medians, base.medians, strict=True)]
+        p99_ratios = [a / b for a, b in zip(run.p99s, base.p99s, strict=True)]
+        print(
+            f"ratio {label}/{base_label} per repetition: "
+            f"median {statistics.median(med_ratios):.2f} "
+            f"[{min(med_ratios):.2f}..{max(med_ratios):.2f}], "
+            f"p99 {statistics.median(p99_ratios):.2f} "
+            f"[{min(p99_ratios):.2f}..{max(p99_ratios):.2f}] (goal <= 1.3)"
+        )
+    del runs, by_label, run, base, large, small, hot100
+    gc.unfreeze()
+    gc.collect()
 
     if not args.skip_memory:
         retained = retained_bytes(10_000, 50_000, args.seed)

@@ -10,7 +10,7 @@ import enum
 from collections.abc import Sequence
 
 from service.crs.commitments import commitments_exhausted
-from service.crs.evaluator import SlotEvaluator, reservation_remaining_memory
+from service.crs.evaluator import SlotEvaluator
 from service.model.k8s import CommittedResource
 
 __all__ = ["CrSlot", "classify_no_host_found", "classify_placement"]
@@ -46,9 +46,8 @@ def classify_placement(
     if not active_crs or commitments_exhausted(active_crs):
         return CrSlot.NO_CR.value
     for host in candidate_hosts:
-        for slot in evaluator.slots_for_host(host, project_id, flavor_group):
-            if reservation_remaining_memory(slot) > 0:
-                return CrSlot.SLOT_USED.value
+        if evaluator.has_slot_with_memory(host, project_id, flavor_group):
+            return CrSlot.SLOT_USED.value
     return CrSlot.SLOT_MISSED.value
 
 

@@ -16,6 +16,7 @@ from service.crs import (
     pick_slot,
     reservation_remaining_memory,
 )
+from service.crs.evaluator import HostSlots, SlotIndex, slot_summary
 from service.model import Hypervisor, Reservation, from_k8s
 
 MI = 2**20
@@ -365,3 +366,103 @@ def test_evaluator_accepts_any_mapping_and_small_subsets() -> None:
     ev = SlotEvaluator(MappingProxyType({"h1": 16 * GI}), MappingProxyType(slots))
     assert [r.name for r in ev.slots_for_host("h1", "p", "g")] == ["a"]
     assert ev.has_usable_slot("h1", "p", "g", GI) is True
+
+
+# --- precomputed summaries: every construction path answers alike ---------------------
+
+
+def _paths(free: dict[str, int], by_host: dict[str, list[Reservation]]) -> list[SlotEvaluator]:
+    index = SlotIndex()
+    for host, rs in by_host.items():
+        index.set_host(host, [slot_summary(r) for r in rs])
+    host_slots = {h: HostSlots.from_reservations(rs) for h, rs in by_host.items()}
+    return [
+        SlotEvaluator(free, by_host),
+        SlotEvaluator.from_host_slots(free, host_slots),
+        SlotEvaluator.from_slot_index(free, index),
+    ]
+
+
+def test_slot_summary() -> None:
+    s = slot_summary(slot("a", memory="8Gi", allocated=["2Gi", "1Gi"]))
+    assert (s.name, s.project_id, s.resource_group) == ("a", "p", "g")
+    assert (s.block_bytes, s.remaining_bytes) == (8 * GI, 5 * GI)
+    assert len(s.allocation_uuids) == 2
+    plain = slot_summary(slot("b", crr=False))
+    assert plain.project_id is None
+    assert (plain.remaining_bytes, plain.block_bytes) == (0, 8 * GI)
+
+
+def test_host_slots_precomputes_blocks_and_groups() -> None:
+    hs = HostSlots.from_reservations(
+        [
+            slot("a", memory="8Gi", allocated=["6Gi"]),
+            slot("b", memory="4Gi"),
+            slot("c", project="q"),
+        ]
+    )
+    assert hs.all_blocks == 20 * GI
+    group = hs.groups[("p", "g")]
+    assert (group.max_remaining, group.host_blocks) == (4 * GI, 20 * GI)
+    assert [s.name for s in group.slots] == ["a", "b"]
+
+
+def test_slot_index_replaces_and_forgets_hosts() -> None:
+    index = SlotIndex()
+    index.set_host("h1", [slot_summary(slot("a"))])
+    ev = SlotEvaluator.from_slot_index({"h1": 16 * GI}, index)
+    assert [r.name for r in ev.slots_for_host("h1", "p", "g")] == ["a"]
+    index.set_host("h1", [slot_summary(slot("b", project="q"))])
+    assert ev.slots_for_host("h1", "p", "g") == []
+    assert [r.name for r in ev.slots_for_host("h1", "q", "g")] == ["b"]
+    index.discard_host("h1")
+    assert ev.slots_for_host("h1", "q", "g") == []
+    assert len(index) == 0
+    index.set_host("h1", [])
+    assert len(index) == 0
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["h1", "h2"]),
+            st.sampled_from(["p", "q"]),
+            st.sampled_from(["g", "x"]),
+            st.integers(0, 16),
+            st.lists(st.integers(0, 8), max_size=3),
+            st.booleans(),
+        ),
+        max_size=8,
+    ),
+    st.integers(0, 40),
+    st.integers(0, 24),
+)
+def test_all_construction_paths_agree(
+    specs: list[tuple[str, str, str, int, list[int], bool]], free_gib: int, vm_gib: int
+) -> None:
+    by_host: dict[str, list[Reservation]] = {}
+    for i, (host, project, group, mem, allocs, crr) in enumerate(specs):
+        r = slot(
+            f"s{i}",
+            host,
+            project=project,
+            group=group,
+            memory=f"{mem}Gi",
+            allocated=[f"{a}Gi" for a in allocs],
+            crr=crr,
+        )
+        by_host.setdefault(host, []).append(r)
+    free = {"h1": free_gib * GI}
+    evs = _paths(free, by_host)
+    for host in ("h1", "h2", "h3"):
+        for project, group in itertools.product(["p", "q"], ["g", "x"]):
+            legacy = evs[0]
+            expected_slots = legacy.slots_for_host(host, project, group)
+            expected_any = any(reservation_remaining_memory(r) > 0 for r in expected_slots)
+            expected_usable = legacy.has_usable_slot(host, project, group, vm_gib * GI)
+            for ev in evs:
+                assert ev.slots_for_host(host, project, group) == expected_slots
+                assert ev.has_slot_with_memory(host, project, group) is expected_any
+                assert ev.has_usable_slot(host, project, group, vm_gib * GI) is expected_usable
+                summaries = ev.slot_summaries_for_host(host, project, group)
+                assert [s.reservation for s in summaries] == expected_slots
