@@ -1,0 +1,329 @@
+""":class:`~service.crs.ports.ClusterState` in watch mode (``CRS_K8S_READ_MODE=watch``).
+
+List mode reads every Reservation of the cluster for every event. Here four
+:class:`~service.k8s.informer.Informer` s keep the cluster in memory and maintain, on each
+watch event, exactly the indexes a request needs:
+
+* free memory per hypervisor (:func:`~service.crs.evaluator.hv_free_memory`),
+* CR slots per ``spec.targetHost`` (only Reservations passing
+  :func:`~service.crs.evaluator.is_slot`; a move, a not-Ready or a delete moves/removes),
+* CommittedResources per project,
+* the ``flavor-groups`` Knowledge.
+
+A request then costs O(hosts it names) and no API call. Decisions stay identical to list
+mode: the evaluator's answers depend only on the per-host entries, and slots and CRs are
+returned in name order, which is the order a LIST returns them in.
+
+Consistency and freshness:
+
+* **One snapshot, one state.** :meth:`WatchClusterState.snapshot` copies what it needs
+  from the indexes without an ``await``; handlers also run without one, so a snapshot
+  never mixes two states of the cluster.
+* **Read-your-writes.** :meth:`~WatchClusterState.patch_allocation` applies the object
+  the server returned to the cache at once (newer resourceVersion wins), so the next
+  event deciding on the same slot sees the allocation even if the watch lags.
+* **Conflicts read the API.** :meth:`~WatchClusterState.get_reservation` and
+  :meth:`~WatchClusterState.reservations_on_host` run only after a 409/404, i.e. exactly
+  when the cache is known to be behind the server; they read fresh from the API (at
+  least as new as anything the server returned before) and feed the result back into
+  the cache. Simpler than waiting for the watch to reach an unknown resourceVersion.
+* **Never answer from a partial cache.** Before the first LIST of every kind is applied,
+  a request waits (bounded by ``sync_timeout_s``) and then raises
+  :class:`~service.crs.ports.UnavailableError`; so does a request while a watch has been
+  down for longer than ``stale_after_s`` (list mode would fail outright then, too).
+
+Known differences from list mode, both deliberate: during a watch outage requests are
+answered from the cache for up to ``stale_after_s`` instead of failing at once; and an
+undecodable ``flavor-groups`` Knowledge (impossible under the CRD schema) reads as
+absent (None, a lookup error for the Recorder) instead of raising InvalidError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Collection, Sequence
+from typing import Any, Final
+
+import structlog
+
+from service.crs.evaluator import SlotEvaluator, hv_free_memory, is_slot
+from service.crs.flavors import FLAVOR_GROUPS_KNOWLEDGE_NAME
+from service.crs.ports import ClusterState, Snapshot, UnavailableError
+from service.k8s.client import (
+    COMMITTED_RESOURCES,
+    CR_RESERVATION_SELECTOR,
+    DEFAULT_PAGE_SIZE,
+    HYPERVISORS,
+    KNOWLEDGES,
+    RESERVATIONS,
+    KubeClient,
+)
+from service.k8s.informer import Informer, InformerOptions
+from service.model import (
+    LABEL_RESERVATION_TYPE,
+    RESERVATION_TYPE_COMMITTED_RESOURCE,
+    CommittedResource,
+    Hypervisor,
+    Knowledge,
+    Reservation,
+)
+
+__all__ = ["WatchClusterState"]
+
+_log = structlog.get_logger(__name__)
+
+_DEFAULT_STALE_AFTER_S: Final = 30.0
+
+
+def _is_cr_reservation(r: Reservation) -> bool:
+    """The server-side label selector, re-checked for objects that come from writes."""
+    labels = r.metadata.labels
+    return labels is not None and labels.get(LABEL_RESERVATION_TYPE) == (
+        RESERVATION_TYPE_COMMITTED_RESOURCE
+    )
+
+
+def _is_flavor_groups(k: Knowledge) -> bool:
+    return k.metadata.name == FLAVOR_GROUPS_KNOWLEDGE_NAME
+
+
+class WatchClusterState(ClusterState):
+    """Informer-backed cluster state with incrementally maintained per-request indexes.
+
+    ``sync_timeout_s`` (default: the client's request timeout) bounds how long a request
+    waits for the initial sync; ``stale_after_s`` is how long a watch may be down (while
+    it reconnects) before requests fail and :meth:`ready` reports it.
+    """
+
+    def __init__(
+        self,
+        client: KubeClient,
+        *,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        watch_timeout_s: float = 300.0,
+        idle_timeout_s: float = 150.0,
+        sync_timeout_s: float | None = None,
+        stale_after_s: float = _DEFAULT_STALE_AFTER_S,
+        backoff_base_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+    ) -> None:
+        self._client = client
+        self._page_size = page_size
+        self._sync_timeout_s = (
+            sync_timeout_s if sync_timeout_s is not None else client.request_timeout_s
+        )
+        self._stale_after_s = stale_after_s
+        self._started = False
+
+        # The indexes. Inner dicts are keyed by object name so an update replaces in O(1).
+        self._hv_free: dict[str, int] = {}
+        self._slots_by_host: dict[str, dict[str, Reservation]] = {}
+        self._crs_by_project: dict[str, dict[str, CommittedResource]] = {}
+        self._knowledge: Knowledge | None = None
+
+        opts = InformerOptions(
+            page_size=page_size,
+            watch_timeout_s=watch_timeout_s,
+            idle_timeout_s=idle_timeout_s,
+            backoff_base_s=backoff_base_s,
+            backoff_max_s=backoff_max_s,
+        )
+        self.hypervisors: Informer[Hypervisor] = Informer(
+            client, HYPERVISORS, Hypervisor, on_change=self._on_hypervisor, options=opts
+        )
+        self.reservations: Informer[Reservation] = Informer(
+            client,
+            RESERVATIONS,
+            Reservation,
+            on_change=self._on_reservation,
+            label_selector=CR_RESERVATION_SELECTOR,
+            keep=_is_cr_reservation,
+            options=opts,
+        )
+        self.committed_resources: Informer[CommittedResource] = Informer(
+            client,
+            COMMITTED_RESOURCES,
+            CommittedResource,
+            on_change=self._on_committed_resource,
+            options=opts,
+        )
+        # Knowledges are few; listing them all and keeping one is simpler than a
+        # field-selected watch the client's LIST cannot mirror.
+        self.knowledges: Informer[Knowledge] = Informer(
+            client,
+            KNOWLEDGES,
+            Knowledge,
+            on_change=self._on_knowledge,
+            keep=_is_flavor_groups,
+            options=opts,
+        )
+        # Lifecycle and health only touch the kind-independent part of an informer.
+        self._informers: tuple[Informer[Any], ...] = (
+            self.hypervisors,
+            self.reservations,
+            self.committed_resources,
+            self.knowledges,
+        )
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the four informers; returns at once (use :meth:`wait_synced` to wait)."""
+        for informer in self._informers:
+            informer.start()
+        self._started = True
+        _log.info("watch_cache_started", kinds=[i.kind.plural for i in self._informers])
+
+    async def wait_synced(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109
+        """Wait until every informer has applied its first LIST; False on timeout."""
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(timeout):
+                for informer in self._informers:
+                    await informer.wait_synced()
+        except TimeoutError:
+            return False
+        _log.info("watch_cache_synced", seconds=round(time.monotonic() - started, 3))
+        return True
+
+    @property
+    def has_synced(self) -> bool:
+        return all(i.has_synced for i in self._informers)
+
+    def ready(self) -> tuple[bool, str]:
+        """(ready, detail): every kind synced and its watch up or reconnecting in grace."""
+        if not self._started:
+            return False, "watch cache not started"
+        problems = self._problems()
+        if problems:
+            return False, "; ".join(problems)
+        return True, "watch cache synced"
+
+    async def stop(self) -> None:
+        self._started = False
+        await asyncio.gather(*(i.stop() for i in self._informers))
+        _log.info("watch_cache_stopped")
+
+    def _problems(self) -> list[str]:
+        problems = []
+        for informer in self._informers:
+            name = informer.kind.plural
+            if not informer.has_synced:
+                problems.append(f"{name}: not synced ({informer.last_error or 'listing'})")
+                continue
+            down = informer.down_for()
+            if down > self._stale_after_s:
+                problems.append(f"{name}: watch down for {down:.0f}s ({informer.last_error})")
+        return problems
+
+    # --- index maintenance (called synchronously by the informers) -------------------
+
+    def _on_hypervisor(self, old: Hypervisor | None, new: Hypervisor | None) -> None:
+        if new is None:
+            if old is not None:
+                self._hv_free.pop(old.metadata.name or "", None)
+            return
+        self._hv_free[new.metadata.name or ""] = hv_free_memory(new)
+
+    def _on_reservation(self, old: Reservation | None, new: Reservation | None) -> None:
+        if old is not None:
+            name = old.name
+            host_slots = self._slots_by_host.get(old.spec.target_host)
+            if host_slots is not None and host_slots.pop(name, None) is not None and not host_slots:
+                del self._slots_by_host[old.spec.target_host]
+        if new is not None and is_slot(new):
+            self._slots_by_host.setdefault(new.spec.target_host, {})[new.name] = new
+
+    def _on_committed_resource(
+        self, old: CommittedResource | None, new: CommittedResource | None
+    ) -> None:
+        if old is not None:
+            project = self._crs_by_project.get(old.spec.project_id)
+            name = old.metadata.name or ""
+            if project is not None and project.pop(name, None) is not None and not project:
+                del self._crs_by_project[old.spec.project_id]
+        if new is not None:
+            self._crs_by_project.setdefault(new.spec.project_id, {})[new.metadata.name or ""] = new
+
+    def _on_knowledge(self, old: Knowledge | None, new: Knowledge | None) -> None:
+        self._knowledge = new
+
+    # --- ClusterState ---------------------------------------------------------------
+
+    async def snapshot(self, hosts: Collection[str], project_id: str) -> Snapshot:
+        """The request's hosts and project, copied from the indexes in one synchronous step.
+
+        The evaluator covers exactly ``hosts``; ``committed_resources`` are the project's.
+        Raises UnavailableError before the initial sync (after waiting for it) or while
+        a watch has been down longer than ``stale_after_s``.
+        """
+        if not self.has_synced:
+            await self._wait_for_sync()
+        problems = self._problems()
+        if problems:
+            raise UnavailableError("watch cache stale: " + "; ".join(problems))
+        # --- from here on no await: one consistent view of the cluster ---
+        free = self._hv_free
+        slots = self._slots_by_host
+        hv: dict[str, int] = {}
+        by_host: dict[str, list[Reservation]] = {}
+        for host in hosts:
+            value = free.get(host)
+            if value is not None:
+                hv[host] = value
+            host_slots = slots.get(host)
+            if host_slots and host not in by_host:
+                by_host[host] = [host_slots[n] for n in sorted(host_slots)]
+        project = self._crs_by_project.get(project_id)
+        crs = [project[n] for n in sorted(project)] if project else []
+        return Snapshot(
+            evaluator=SlotEvaluator(hv, by_host),
+            committed_resources=crs,
+            knowledge=self._knowledge,
+        )
+
+    async def _wait_for_sync(self) -> None:
+        if await self.wait_synced(self._sync_timeout_s):
+            return
+        pending = [i.kind.plural for i in self._informers if not i.has_synced]
+        raise UnavailableError(
+            f"watch cache not synced after {self._sync_timeout_s:g}s: {', '.join(pending)}"
+        )
+
+    async def reservations_on_host(self, host: str) -> Sequence[Reservation]:
+        """A fresh API read (only used after a conflict), also fed back into the cache."""
+        result = await self._client.list_objects(
+            RESERVATIONS, Reservation, label_selector=CR_RESERVATION_SELECTOR, limit=self._page_size
+        )
+        on_host = []
+        for r in result.items:
+            self.reservations.apply(r)
+            if r.spec.target_host == host:
+                on_host.append(r)
+        return on_host
+
+    async def get_reservation(self, name: str) -> Reservation | None:
+        """A fresh API read (only used after a conflict), also fed back into the cache."""
+        fresh = await self._client.get_reservation(name)
+        if fresh is not None:
+            self.reservations.apply(fresh)
+        return fresh
+
+    async def patch_allocation(
+        self,
+        reservation: Reservation,
+        instance_uuid: str,
+        allocation: dict[str, object],
+    ) -> Reservation:
+        """The guarded write, then the server's answer applied to the cache at once."""
+        updated = await self._client.patch_allocation(reservation, instance_uuid, allocation)
+        applied = self.reservations.apply(updated)
+        _log.debug(
+            "allocation_applied_to_cache",
+            kind=RESERVATIONS.plural,
+            reservation=updated.name,
+            resource_version=updated.metadata.resource_version,
+            applied=applied,
+        )
+        return updated
