@@ -1,0 +1,1 @@
+"""Wiring, lifecycle, configuration, CLI and HTTP for the consumer service."""

@@ -1,0 +1,238 @@
+"""Configuration from environment variables, with command-line overrides.
+
+Every setting has one environment variable and one ``--flag``; the flag wins. Defaults
+work against the local dev stack (``devstack/up``). A bad value is reported naming the
+variable, so an operator can fix a Deployment without reading code.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["SETTINGS", "Config", "ConfigError", "Setting"]
+
+
+class ConfigError(ValueError):
+    """A setting is missing or invalid; the message names the variable."""
+
+
+def _bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in {"1", "true", "yes", "on"}:
+        return True
+    if value in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError("expected true or false")
+
+
+def _positive_int(raw: str) -> int:
+    value = int(raw)
+    if value <= 0:
+        raise ValueError("must be a positive integer")
+    return value
+
+
+def _port(raw: str) -> int:
+    value = int(raw)
+    if not 0 <= value <= 65535:
+        raise ValueError("must be a TCP port (0-65535)")
+    return value
+
+
+def _positive_float(raw: str) -> float:
+    value = float(raw)
+    if value <= 0:
+        raise ValueError("must be a positive number")
+    return value
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        value = raw.strip()
+        if value not in allowed:
+            raise ValueError(f"must be one of {', '.join(allowed)}")
+        return value
+
+    return parse
+
+
+def _text(raw: str) -> str:
+    return raw
+
+
+def _nonempty(raw: str) -> str:
+    if not raw.strip():
+        raise ValueError("must not be empty")
+    return raw.strip()
+
+
+def _log_level(raw: str) -> str:
+    value = raw.strip().upper()
+    if value not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+        raise ValueError("must be one of DEBUG, INFO, WARNING, ERROR")
+    return value
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One configurable value: its field, variable, default, parser and meaning."""
+
+    field: str
+    env: str
+    default: str | None
+    parse: Callable[[str], Any]
+    help: str
+    secret: bool = False
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("bootstrap_servers", "KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:19092", _nonempty,
+            "Kafka bootstrap servers, comma-separated host:port"),
+    Setting("security_protocol", "KAFKA_SECURITY_PROTOCOL", "PLAINTEXT",
+            _choice("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"), "Kafka security protocol"),
+    Setting("sasl_mechanism", "KAFKA_SASL_MECHANISM", None,
+            _choice("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"), "SASL mechanism (with SASL_*)"),
+    Setting("sasl_username", "KAFKA_SASL_USERNAME", None, _text, "SASL user name"),
+    Setting("sasl_password", "KAFKA_SASL_PASSWORD", None, _text, "SASL password", secret=True),
+    Setting("ssl_cafile", "KAFKA_SSL_CAFILE", None, _nonempty,
+            "CA bundle for the brokers' TLS certificates"),
+    Setting("input_topic", "CRS_INPUT_TOPIC", "nova.scheduling-outcomes", _nonempty,
+            "Topic of Nova scheduling outcomes (input)"),
+    Setting("output_topic", "CRS_OUTPUT_TOPIC", "cortex.crs.classifications", _nonempty,
+            "Topic of classification events (output)"),
+    Setting("dlq_topic", "CRS_DLQ_TOPIC", "nova.scheduling-outcomes.dlq", _nonempty,
+            "Dead-letter topic for events that cannot be processed"),
+    Setting("group_id", "CRS_GROUP_ID", "cortex-crs-consumer", _nonempty, "Kafka consumer group"),
+    Setting("transactional_id", "CRS_TRANSACTIONAL_ID", None, _nonempty,
+            "Kafka transactional.id (default: <group>-<hostname>); stable per replica"),
+    Setting("exactly_once", "CRS_EXACTLY_ONCE", "true", _bool,
+            "Commit outputs and input offsets in one Kafka transaction"),
+    Setting("max_event_bytes", "CRS_MAX_EVENT_BYTES", "1048576", _positive_int,
+            "Larger input events are dead-lettered unread"),
+    Setting("max_attempts", "CRS_MAX_ATTEMPTS", "5", _positive_int,
+            "Attempts for an event failing on a retryable error before it is dead-lettered"),
+    Setting("retry_backoff_s", "CRS_RETRY_BACKOFF_S", "0.5", _positive_float,
+            "First retry delay; doubles per attempt"),
+    Setting("retry_backoff_max_s", "CRS_RETRY_BACKOFF_MAX_S", "30", _positive_float,
+            "Cap of the retry delay"),
+    Setting("max_batch", "CRS_MAX_BATCH", "500", _positive_int,
+            "Most records fetched and in flight at once (backpressure)"),
+    Setting("k8s_read_mode", "CRS_K8S_READ_MODE", "watch", _choice("watch", "list"),
+            "watch: informer cache, no API reads per event; list: read per event"),
+    Setting("k8s_timeout_s", "CRS_K8S_TIMEOUT_S", "10", _positive_float,
+            "Timeout of one Kubernetes API request"),
+    Setting("kubeconfig", "KUBECONFIG", None, _nonempty,
+            "kubeconfig file; unset: in-cluster service account"),
+    Setting("http_host", "CRS_HTTP_HOST", "127.0.0.1", _nonempty,
+            "Address of the HTTP server (/metrics, /healthz, /readyz)"),
+    Setting("http_port", "CRS_HTTP_PORT", "8080", _port, "Port of the HTTP server (0: any free)"),
+    Setting("log_level", "CRS_LOG_LEVEL", "INFO", _log_level, "DEBUG, INFO, WARNING or ERROR"),
+    Setting("log_format", "CRS_LOG_FORMAT", "json", _choice("json", "console"),
+            "json (one object per line) or console"),
+    Setting("shutdown_timeout_s", "CRS_SHUTDOWN_TIMEOUT_S", "30", _positive_float,
+            "Longest graceful shutdown before in-flight work is abandoned"),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Config:
+    bootstrap_servers: str
+    security_protocol: str
+    sasl_mechanism: str | None
+    sasl_username: str | None
+    sasl_password: str | None
+    ssl_cafile: str | None
+    input_topic: str
+    output_topic: str
+    dlq_topic: str
+    group_id: str
+    transactional_id: str | None
+    exactly_once: bool
+    max_event_bytes: int
+    max_attempts: int
+    retry_backoff_s: float
+    retry_backoff_max_s: float
+    max_batch: int
+    k8s_read_mode: str
+    k8s_timeout_s: float
+    kubeconfig: str | None
+    http_host: str
+    http_port: int
+    log_level: str
+    log_format: str
+    shutdown_timeout_s: float
+
+    @classmethod
+    def load(
+        cls,
+        env: Mapping[str, str] | None = None,
+        overrides: Mapping[str, str | None] | None = None,
+    ) -> Config:
+        """Build from ``env`` (default ``os.environ``), then ``overrides`` (by field)."""
+        env = os.environ if env is None else env
+        overrides = overrides or {}
+        values: dict[str, Any] = {}
+        for s in SETTINGS:
+            raw = overrides.get(s.field)
+            source = f"--{s.field.replace('_', '-')}"
+            if raw is None:
+                raw = env.get(s.env) or None
+                source = s.env
+            if raw is None:
+                raw = s.default
+                source = f"{s.env} (default)"
+            if raw is None:
+                values[s.field] = None
+                continue
+            try:
+                values[s.field] = s.parse(raw)
+            except ValueError as exc:
+                shown = "***" if s.secret else repr(raw)
+                raise ConfigError(f"{source}={shown}: {exc}") from None
+        config = cls(**values)
+        config._check_consistency()
+        return config
+
+    def _check_consistency(self) -> None:
+        if self.security_protocol.startswith("SASL_"):
+            for s in SETTINGS:
+                if s.field in {"sasl_mechanism", "sasl_username", "sasl_password"} and not getattr(
+                    self, s.field
+                ):
+                    raise ConfigError(f"{s.env} is required when KAFKA_SECURITY_PROTOCOL is SASL_*")
+        if len({self.input_topic, self.output_topic, self.dlq_topic}) != 3:
+            raise ConfigError("CRS_INPUT_TOPIC, CRS_OUTPUT_TOPIC and CRS_DLQ_TOPIC must differ")
+        if self.retry_backoff_max_s < self.retry_backoff_s:
+            raise ConfigError("CRS_RETRY_BACKOFF_MAX_S must be >= CRS_RETRY_BACKOFF_S")
+
+    def effective_transactional_id(self, hostname: str) -> str:
+        return self.transactional_id or f"{self.group_id}-{hostname}"
+
+    def kafka_client_args(self) -> dict[str, Any]:
+        """Connection settings shared by the consumer, producers and admin client."""
+        args: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap_servers,
+            "security_protocol": self.security_protocol,
+        }
+        if self.security_protocol.startswith("SASL_"):
+            args |= {
+                "sasl_mechanism": self.sasl_mechanism,
+                "sasl_plain_username": self.sasl_username,
+                "sasl_plain_password": self.sasl_password,
+            }
+        if self.security_protocol in {"SSL", "SASL_SSL"}:
+            from aiokafka.helpers import create_ssl_context
+
+            args["ssl_context"] = create_ssl_context(cafile=self.ssl_cafile)
+        return args
+
+    def redacted(self) -> dict[str, Any]:
+        """The settings for logs and ``check`` output, with secrets masked."""
+        secret = {s.field for s in SETTINGS if s.secret}
+        return {
+            f.name: ("***" if f.name in secret and getattr(self, f.name) else getattr(self, f.name))
+            for f in fields(self)
+        }

@@ -1,0 +1,87 @@
+"""The operating surface over HTTP: /metrics, /healthz, /readyz.
+
+``/healthz`` answers "is this process worth keeping": the event loop is responsive and
+the consume loop has turned recently. ``/readyz`` answers "should traffic wait for me":
+the consumer has started and joined its group (or is waiting for an assignment) and the
+cluster state is usable (the watch caches have synced, or the API server answered).
+Both return a small JSON body that says why, for the person reading a failing probe.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+__all__ = ["HealthChecks", "HttpServer"]
+
+
+@dataclass
+class HealthChecks:
+    """Callables the server asks; each returns (ok, detail)."""
+
+    alive: Callable[[], tuple[bool, str]]
+    ready: Callable[[], Awaitable[tuple[bool, str]]]
+
+
+class HttpServer:
+    def __init__(
+        self, registry: CollectorRegistry, checks: HealthChecks, host: str, port: int
+    ) -> None:
+        self._registry = registry
+        self._checks = checks
+        self._host = host
+        self._port = port
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        self._app = app
+
+    async def start(self) -> None:
+        self._runner = web.AppRunner(self._app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._host, self._port)
+        await site.start()
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.port = sockets[0].getsockname()[1] if sockets else self._port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        body = generate_latest(self._registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _healthz(self, _: web.Request) -> web.Response:
+        ok, detail = self._checks.alive()
+        return web.json_response({"ok": ok, "detail": detail}, status=200 if ok else 503)
+
+    async def _readyz(self, _: web.Request) -> web.Response:
+        ok, detail = await self._checks.ready()
+        return web.json_response({"ok": ok, "detail": detail}, status=200 if ok else 503)
+
+
+class LoopWatchdog:
+    """Measures event-loop responsiveness: a stuck loop is an unhealthy process."""
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        self.interval_s = interval_s
+        self.last_tick = time.monotonic()
+
+    async def run(self) -> None:
+        import asyncio
+
+        while True:
+            self.last_tick = time.monotonic()
+            await asyncio.sleep(self.interval_s)
+
+    def stalled_for(self) -> float:
+        return max(0.0, time.monotonic() - self.last_tick - self.interval_s)

@@ -1,0 +1,74 @@
+"""Service metrics beside the two reference counters.
+
+All series live in one registry the HTTP server exposes. Per-partition series (lag) are
+removed when a partition is revoked, so a scrape never shows a stale partition's lag
+from before a rebalance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from service.crs import new_no_host_found_counter, new_placement_counter
+
+__all__ = ["StreamMetrics"]
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class StreamMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.placement = new_placement_counter(r)
+        self.no_host_found = new_no_host_found_counter(r)
+        self.events = Counter(
+            "crs_events",
+            "Input events processed, by outcome kind and cr_slot",
+            ["kind", "cr_slot"],
+            registry=r,
+        )
+        self.allocations = Counter(
+            "crs_allocations", "Allocation results for processed events", ["status"], registry=r
+        )
+        self.dead_letters = Counter(
+            "crs_dead_letters",
+            "Events sent to the dead-letter topic, by error code",
+            ["code"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "crs_retries", "Events or batches retried, by reason", ["reason"], registry=r
+        )
+        self.conflicts = Counter(
+            "crs_patch_conflicts",
+            "Reservation patches rejected with 409 and re-decided",
+            registry=r,
+        )
+        self.processing = Histogram(
+            "crs_processing_seconds",
+            "Time to process one input event (decode to outcome)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.commit = Histogram(
+            "crs_commit_seconds",
+            "Time to produce a batch's records and commit its offsets",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.lag = Gauge(
+            "crs_consumer_lag",
+            "Records between the committed position and the high watermark",
+            ["topic", "partition"],
+            registry=r,
+        )
+        self.assigned = Gauge(
+            "crs_assigned_partitions", "Input partitions assigned to this replica", registry=r
+        )
+
+    def forget_partition(self, topic: str, partition: int) -> None:
+        with contextlib.suppress(KeyError):
+            self.lag.remove(topic, str(partition))

@@ -1,0 +1,163 @@
+"""Helpers for end-to-end tests: a region in the API server, outcomes on Kafka, the
+service in-process or as a real process, and readers of what it produced."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.structs import ConsumerRecord, TopicPartition
+
+from service.app.config import Config
+from service.stream.codec import encode_input
+from tests import factories as f
+from tests import nova
+from tests.conftest import REPO, DevStack
+
+GiB = 1024**3
+
+
+async def seed_region(api: Any, *, knowledge: bool = True) -> None:
+    """Four hosts, one flavor group, CRs for three projects, slots on hv-1 and hv-2.
+
+    p1: active, room left (slots 16Gi on hv-1, 8Gi on hv-2); p2: active but exhausted;
+    p3: no commitment at all.
+    """
+    for name in ("hv-1", "hv-2", "hv-3", "hv-4"):
+        await f.create(api, f.hypervisor(name, memory="256Gi"))
+    if knowledge:
+        await f.create(
+            api,
+            f.knowledge(
+                [
+                    f.flavor_group(
+                        "g1", [f.flavor("m1.small", 4096, 2), f.flavor("m1.large", 8192, 4)]
+                    )
+                ]
+            ),
+        )
+    await f.create(api, f.committed_resource("cr-p1", project="p1", amount="256Gi", used="0"))
+    await f.create(api, f.committed_resource("cr-p2", project="p2", amount="8Gi", used="8Gi"))
+    await f.create(api, f.reservation("slot-p1-hv1", host="hv-1", project="p1", memory="16Gi"))
+    await f.create(api, f.reservation("slot-p1-hv2", host="hv-2", project="p1", memory="8Gi"))
+
+
+def outcome(
+    target: str | None,
+    hosts: Sequence[str],
+    *,
+    project: str = "p1",
+    flavor: str = "m1.small",
+    skip: bool | None = None,
+    vm: str | None = None,
+) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    vm = vm or str(uuid.uuid4())
+    request = nova.request(
+        vm,
+        project_id=project,
+        flavor_name=flavor,
+        hosts=hosts,
+        hints={"_nova_check_type": "resize"},
+        skip_cr_tracking=skip,
+    )
+    ordered = list(hosts) if target else []
+    return vm, nova.decision_dict(target, ordered), request
+
+
+async def publish(
+    bootstrap: str, topic: str, records: Sequence[tuple[bytes | None, bytes, list[Any]]]
+) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await producer.start()
+    try:
+        futures = [
+            await producer.send(topic, value, key=key, headers=headers)
+            for key, value, headers in records
+        ]
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+
+
+def good_record(vm: str, decision: dict[str, Any], request: dict[str, Any], **kw: Any) -> Any:
+    value, headers = encode_input(decision, request, **kw)
+    return (vm.encode(), value, headers)
+
+
+async def read_all(
+    bootstrap: str, topic: str, expected: int, *, partitions: int = 1, timeout_s: float = 60
+) -> list[ConsumerRecord]:
+    """Every committed record of ``topic`` (read_committed), waiting for ``expected``."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        isolation_level="read_committed",
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+    )
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in range(partitions)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        out: list[ConsumerRecord] = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            batch = await consumer.getmany(timeout_ms=300)
+            for records in batch.values():
+                out.extend(records)
+            if len(out) >= expected:
+                # Drain a little longer: more than expected would be a duplicate.
+                extra = await consumer.getmany(timeout_ms=500)
+                for records in extra.values():
+                    out.extend(records)
+                break
+        return out
+    finally:
+        await consumer.stop()
+
+
+def data_of(record: ConsumerRecord) -> dict[str, Any]:
+    event: dict[str, Any] = msgspec.json.decode(record.value)
+    return event["data"]  # type: ignore[no-any-return]
+
+
+def config(devstack: DevStack, topics: dict[str, str], **settings: str) -> Config:
+    env = {
+        "KAFKA_BOOTSTRAP_SERVERS": devstack.kafka_bootstrap,
+        "KUBECONFIG": devstack.kubeconfig,
+        "CRS_INPUT_TOPIC": topics["input"],
+        "CRS_OUTPUT_TOPIC": topics["output"],
+        "CRS_DLQ_TOPIC": topics["dlq"],
+        "CRS_GROUP_ID": f"g-{topics['input']}",
+        "CRS_TRANSACTIONAL_ID": f"tx-{topics['input']}",
+        "CRS_HTTP_PORT": "0",
+        "CRS_RETRY_BACKOFF_S": "0.1",
+        "CRS_RETRY_BACKOFF_MAX_S": "0.5",
+        **settings,
+    }
+    return Config.load(env=env)
+
+
+def spawn(cfg: Config, log_path: str) -> subprocess.Popen[bytes]:
+    """The service as a real process (``python -m service run``), configured by env."""
+    env = {**os.environ}
+    for s in __import__("service.app.config", fromlist=["SETTINGS"]).SETTINGS:
+        value = getattr(cfg, s.field)
+        if value is not None:
+            env[s.env] = str(value).lower() if isinstance(value, bool) else str(value)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "service", "run"],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )

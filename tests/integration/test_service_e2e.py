@@ -1,0 +1,212 @@
+"""The service end to end, through the real broker and the real API server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.app.runtime import Runtime
+from tests import e2e
+from tests import factories as f
+from tests.conftest import DevStack
+
+pytestmark = pytest.mark.integration
+
+
+@pytest_asyncio.fixture
+async def topics(new_topic: Any) -> dict[str, str]:
+    return {
+        "input": await new_topic("in", 2),
+        "output": await new_topic("out", 2),
+        "dlq": await new_topic("dlq", 1),
+    }
+
+
+@contextlib.asynccontextmanager
+async def running(cfg: Any) -> AsyncIterator[Runtime]:
+    runtime = Runtime(cfg)
+    await runtime.start()
+    task = asyncio.create_task(runtime.run())
+    try:
+        yield runtime
+    finally:
+        runtime.request_stop()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 30)
+        await runtime.stop()
+
+
+async def wait_processed(runtime: Runtime, n: int, timeout_s: float = 60) -> None:
+    assert runtime.stream is not None
+    deadline = time.monotonic() + timeout_s
+    while runtime.stream.processed < n:
+        assert time.monotonic() < deadline, f"{runtime.stream.processed}/{n} processed"
+        await asyncio.sleep(0.05)
+
+
+async def scrape(runtime: Runtime) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    assert runtime.http is not None
+    url = f"http://127.0.0.1:{runtime.http.port}/metrics"
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def sample(metrics: dict[Any, float], name: str, **labels: str) -> float:
+    return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.mark.parametrize("read_mode", ["watch", "list"])
+async def test_every_classification_end_to_end(
+    devstack: DevStack, clean_k8s: Any, topics: dict[str, str], read_mode: str
+) -> None:
+    await e2e.seed_region(clean_k8s)
+    P, N, NA, S = "placement", "no_host_found", "not_applicable", "m1.small"
+    cases = [
+        # name, target, hosts, project, flavor, skip -> kind, cr_slot, allocation
+        ("slot_used", "hv-1", ["hv-1", "hv-3"], "p1", S, None, P, "slot_used", "written"),
+        ("slot_missed", "hv-3", ["hv-3", "hv-4"], "p1", S, None, P, "slot_missed", NA),
+        ("no_cr", "hv-1", ["hv-1"], "p3", S, None, P, "no_cr", NA),
+        ("exhausted", "hv-1", ["hv-1"], "p2", S, None, P, "no_cr", NA),
+        ("payg", "hv-1", ["hv-1"], "p1", "legacy.tiny", None, P, "payg", NA),
+        ("skipped", "hv-1", ["hv-1"], "p1", S, True, P, "skipped", NA),
+        ("nh_no_cr", None, ["hv-1", "hv-2"], "p3", S, None, N, "no_cr", NA),
+        ("nh_cr_exhausted", None, ["hv-1"], "p2", S, None, N, "cr_exhausted", NA),
+        ("nh_slot_exhausted", None, ["hv-3", "hv-4"], "p1", S, None, N, "slot_exhausted", NA),
+        ("nh_slot_blocked", None, ["hv-2", "hv-3"], "p1", "m1.large", None, N, "slot_blocked", NA),
+    ]
+    ce = b'{"specversion":"1.0","source":"s",'
+    poison = [
+        (b"k1", b"definitely not json", [], "not_json"),
+        (b"k2", bytes(range(256)) * 3, [], "not_json"),
+        (b"k3", ce + b'"id":"a","type":"other.type","data":{}}', [], "unknown_type"),
+        (b"k4", ce + b'"id":"b","type":"cortex.nova.scheduling_outcome.v1"}', [], "invalid_event"),
+        (b"k5", b"{" + b" " * 3000 + b"}", [], "oversized"),
+    ]
+    records: list[Any] = []
+    expected: dict[str, tuple[str, str, str]] = {}
+    names: dict[str, str] = {}
+    poison_iter = iter(poison)
+    for i, (name, target, hosts, project, flavor, skip, *expect) in enumerate(cases):
+        vm, decision, request = e2e.outcome(
+            target, hosts, project=project, flavor=flavor, skip=skip
+        )
+        records.append(e2e.good_record(vm, decision, request, binary=i % 3 == 2))
+        expected[vm] = (expect[0], expect[1], expect[2])
+        names[vm] = name
+        bad = next(poison_iter, None)
+        if bad is not None:  # poison between good events, on the same partition key space
+            records.append(bad[:3])
+    cfg = e2e.config(devstack, topics, CRS_K8S_READ_MODE=read_mode, CRS_MAX_EVENT_BYTES="2048")
+    async with running(cfg) as runtime:
+        await e2e.publish(devstack.kafka_bootstrap, topics["input"], records)
+        await wait_processed(runtime, len(records))
+        metrics = await scrape(runtime)
+
+    outputs = await e2e.read_all(
+        devstack.kafka_bootstrap, topics["output"], len(cases), partitions=2
+    )
+    got = {e2e.data_of(r)["instance_uuid"]: e2e.data_of(r) for r in outputs}
+    assert len(outputs) == len(cases)
+    for vm, (kind, cr_slot, allocation) in expected.items():
+        d = got[vm]
+        assert (d["kind"], d["cr_slot"], d["allocation"]) == (kind, cr_slot, allocation), names[vm]
+        assert d["input"]["topic"] == topics["input"]
+    used = next(vm for vm, n in names.items() if n == "slot_used")
+    assert got[used]["reservation"] == "slot-p1-hv1"
+    assert got[used]["vm_memory_bytes"] == 4 * e2e.GiB
+    payg = next(vm for vm, n in names.items() if n == "payg")
+    assert got[payg]["flavor_group"] is None
+
+    dead = await e2e.read_all(devstack.kafka_bootstrap, topics["dlq"], len(poison))
+    assert len(dead) == len(poison)
+    by_key = {r.key: r for r in dead}
+    for key, value, _, code in poison:
+        headers = dict(by_key[key].headers)
+        assert headers["crs.error"].decode() == code
+        assert by_key[key].value == value  # the original bytes, unchanged
+        assert headers["crs.source.topic"].decode() == topics["input"]
+
+    slot = await f.get(clean_k8s, "reservations", "slot-p1-hv1")
+    allocations = slot["spec"]["committedResourceReservation"]["allocations"]
+    assert list(allocations) == [used]
+    assert allocations[used]["resources"] == {"memory": "4Gi", "cpu": "2"}
+
+    m = "cortex_nova_placement_total"
+    assert sample(metrics, m, flavor_group="g1", intent="resize", cr_slot="slot_used") == 1
+    assert sample(metrics, m, flavor_group="g1", intent="resize", cr_slot="slot_missed") == 1
+    assert sample(metrics, m, flavor_group="g1", intent="resize", cr_slot="no_cr") == 2
+    n = "cortex_nova_no_host_found_total"
+    for cr_slot in ("no_cr", "cr_exhausted", "slot_exhausted", "slot_blocked"):
+        assert sample(metrics, n, cr_slot=cr_slot, flavor_group="g1", intent="resize") == 1, cr_slot
+    assert sample(metrics, "crs_events_total", kind="placement", cr_slot="payg") == 1
+    for _, _, _, code in poison:
+        assert sample(metrics, "crs_dead_letters_total", code=code) >= 1
+
+
+async def test_missing_knowledge_counts_error(
+    devstack: DevStack, clean_k8s: Any, topics: dict[str, str]
+) -> None:
+    await e2e.seed_region(clean_k8s, knowledge=False)
+    vm, decision, request = e2e.outcome("hv-1", ["hv-1"])
+    cfg = e2e.config(devstack, topics)
+    async with running(cfg) as runtime:
+        await e2e.publish(
+            devstack.kafka_bootstrap, topics["input"], [e2e.good_record(vm, decision, request)]
+        )
+        await wait_processed(runtime, 1)
+        metrics = await scrape(runtime)
+    (out,) = await e2e.read_all(devstack.kafka_bootstrap, topics["output"], 1, partitions=2)
+    d = e2e.data_of(out)
+    assert (d["cr_slot"], d["flavor_group"], d["allocation"]) == (
+        "error",
+        "unknown",
+        "not_applicable",
+    )
+    assert (
+        sample(
+            metrics,
+            "cortex_nova_placement_total",
+            flavor_group="unknown",
+            intent="resize",
+            cr_slot="error",
+        )
+        == 1
+    )
+    slot = await f.get(clean_k8s, "reservations", "slot-p1-hv1")
+    assert "allocations" not in slot["spec"]["committedResourceReservation"]
+
+
+async def test_probes_report_readiness(
+    devstack: DevStack, clean_k8s: Any, topics: dict[str, str]
+) -> None:
+    await e2e.seed_region(clean_k8s)
+    cfg = e2e.config(devstack, topics)
+    async with running(cfg) as runtime:
+        assert runtime.http is not None
+        base = f"http://127.0.0.1:{runtime.http.port}"
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{base}/healthz") as resp:
+                assert resp.status == 200
+            deadline = time.monotonic() + 30
+            while True:
+                async with session.get(f"{base}/readyz") as resp:
+                    body = await resp.json()
+                    if resp.status == 200:
+                        break
+                assert time.monotonic() < deadline, body
+                await asyncio.sleep(0.2)
+        assert body["ok"] is True
