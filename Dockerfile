@@ -1,0 +1,62 @@
+# syntax=docker/dockerfile:1.7
+# crs-consumer container image.
+#
+#   docker build -t crs-consumer .
+#   docker run --rm -p 8080:8080 -e KAFKA_BOOTSTRAP_SERVERS=... crs-consumer          # run
+#   docker run --rm crs-consumer check                                                # check
+#
+# Two stages: the builder turns pyproject.toml + service/ into a wheel and installs it, with
+# its runtime dependencies only (no dev extra), into a pip-less venv at /opt/venv; the final
+# stage is a clean python:3.11-slim with that venv copied in, no compilers, no build tools.
+# deploy/check-dockerfile-steps.sh repeats the builder's steps without Docker: keep the two
+# in step (it reads the COPY lines below).
+
+ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
+
+# ---------------------------------------------------------------- builder
+FROM ${PYTHON_IMAGE} AS builder
+
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore \
+    PYTHONDONTWRITEBYTECODE=1
+
+WORKDIR /src
+# Only what the wheel is built from (see .dockerignore); README* may be absent.
+COPY pyproject.toml README* ./
+COPY service/ service/
+
+RUN --mount=type=cache,target=/root/.cache/pip \
+    python -m pip wheel --no-deps --wheel-dir /wheels . \
+    && python -m venv --without-pip /opt/venv \
+    && python -m pip --python /opt/venv/bin/python install /wheels/*.whl \
+    && /opt/venv/bin/crs-consumer --help >/dev/null
+
+# ---------------------------------------------------------------- runtime
+FROM ${PYTHON_IMAGE} AS runtime
+
+LABEL org.opencontainers.image.title="crs-consumer" \
+      org.opencontainers.image.description="Committed-resource slot recorder for the Cortex scheduler of OpenStack Nova" \
+      org.opencontainers.image.licenses="Apache-2.0"
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PATH=/opt/venv/bin:$PATH \
+    CRS_HTTP_HOST=0.0.0.0 \
+    CRS_HTTP_PORT=8080
+
+RUN groupadd --system --gid 10001 crs \
+    && useradd --system --uid 10001 --gid 10001 --no-create-home \
+       --home-dir /nonexistent --shell /usr/sbin/nologin crs
+
+COPY --from=builder /opt/venv /opt/venv
+
+USER 10001:10001
+WORKDIR /tmp
+EXPOSE 8080
+
+# No curl in slim: python's urllib. A non-2xx answer raises, so the exit code is the verdict.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('CRS_HTTP_PORT', '8080'), timeout=4)"]
+
+ENTRYPOINT ["crs-consumer"]
+CMD ["run"]
