@@ -69,7 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return asyncio.run(run_service(config))
     if args.command == "check":
-        configure_logging("WARNING", config.log_format)
+        # check speaks in one line per dependency; client libraries' own logs would
+        # only repeat the failure it reports.
+        configure_logging("CRITICAL", config.log_format)
         from service.app.check import run_check
 
         return asyncio.run(run_check(config))

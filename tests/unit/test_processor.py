@@ -1,0 +1,160 @@
+"""The per-event error policy: every input ends as one output or one dead letter."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from service.crs.outcome import AllocationStatus, Outcome
+from service.crs.ports import ForbiddenError, UnavailableError
+from service.model import Decision, ExternalSchedulerRequest
+from service.stream.codec import InputRef, encode_input
+from service.stream.metrics import StreamMetrics
+from service.stream.processor import Processor, RetryLater
+from tests import nova
+
+VM = "4f1e7b7e-0000-4000-8000-000000000001"
+
+
+class ScriptedRecorder:
+    """Stands in for the Recorder (our own interface): answers from a script."""
+
+    def __init__(self, *answers: Any) -> None:
+        self.answers = list(answers)
+        self.calls: list[tuple[str, Decision, ExternalSchedulerRequest]] = []
+
+    async def _next(
+        self, kind: str, decision: Decision, request: ExternalSchedulerRequest
+    ) -> Outcome:
+        self.calls.append((kind, decision, request))
+        answer = self.answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer  # type: ignore[no-any-return]
+
+    async def record_placement(
+        self, decision: Decision, request: ExternalSchedulerRequest
+    ) -> Outcome:
+        return await self._next("placement", decision, request)
+
+    async def record_no_host_found(
+        self, decision: Decision, request: ExternalSchedulerRequest
+    ) -> Outcome:
+        return await self._next("no_host_found", decision, request)
+
+
+def outcome(kind: str = "placement", cr_slot: str = "slot_used") -> Outcome:
+    return Outcome(
+        kind=kind,  # type: ignore[arg-type]
+        cr_slot=cr_slot,
+        intent="create",
+        instance_uuid=VM,
+        project_id="p1",
+        flavor_name="m1.small",
+        flavor_group="g1",
+        target_host="hv-1" if kind == "placement" else None,
+        reservation="slot-1",
+        allocation=AllocationStatus.WRITTEN,
+        vm_memory_bytes=4 << 30,
+        conflicts=2,
+    )
+
+
+def make(recorder: ScriptedRecorder, max_attempts: int = 3) -> tuple[Processor, StreamMetrics]:
+    metrics = StreamMetrics()
+    return (
+        Processor(
+            recorder,  # type: ignore[arg-type]
+            metrics,
+            output_topic="out",
+            dlq_topic="dlq",
+            max_event_bytes=64 * 1024,
+            max_attempts=max_attempts,
+        ),
+        metrics,
+    )
+
+
+REF = InputRef(topic="in", partition=3, offset=42)
+
+
+def event(target: str | None = "hv-1") -> tuple[bytes, list[tuple[str, bytes]]]:
+    return encode_input(nova.decision_dict(target), nova.request(VM, hosts=["hv-1"]))
+
+
+async def test_placement_becomes_one_classification_record() -> None:
+    rec = ScriptedRecorder(outcome())
+    proc, metrics = make(rec)
+    value, headers = event()
+    out = await proc.process(REF, VM.encode(), value, headers)
+    assert out.topic == "out"
+    assert out.key == VM.encode()
+    assert not out.dead_letter
+    data = msgspec.json.decode(out.value or b"")["data"]
+    assert (data["cr_slot"], data["allocation"], data["reservation"]) == (
+        "slot_used",
+        "written",
+        "slot-1",
+    )
+    assert data["input"] == {"id": data["input"]["id"], "topic": "in", "partition": 3, "offset": 42}
+    assert rec.calls[0][0] == "placement"
+    assert metrics.events.labels("placement", "slot_used")._value.get() == 1
+    assert metrics.conflicts._value.get() == 2
+
+
+async def test_no_target_host_goes_to_no_host_found() -> None:
+    rec = ScriptedRecorder(outcome("no_host_found", "slot_blocked"))
+    proc, _ = make(rec)
+    value, headers = event(target=None)
+    out = await proc.process(REF, VM.encode(), value, headers)
+    assert rec.calls[0][0] == "no_host_found"
+    assert msgspec.json.decode(out.value or b"")["data"]["cr_slot"] == "slot_blocked"
+
+
+async def test_poison_is_dead_lettered_with_original_bytes_and_no_recorder_call() -> None:
+    rec = ScriptedRecorder()
+    proc, metrics = make(rec)
+    out = await proc.process(REF, b"key", b"\x00\x01garbage", [("trace", b"t-1")])
+    assert out.dead_letter
+    assert (out.topic, out.key, out.value) == ("dlq", b"key", b"\x00\x01garbage")
+    headers = dict(out.headers)
+    assert headers["crs.error"] == b"not_json"
+    assert headers["trace"] == b"t-1"  # the producer's headers travel with the record
+    assert headers["crs.source.offset"] == b"42"
+    assert rec.calls == []
+    assert metrics.dead_letters.labels("not_json")._value.get() == 1
+
+
+async def test_unavailable_retries_then_dead_letters_after_max_attempts() -> None:
+    boom = UnavailableError("apiserver down", status=503)
+    rec = ScriptedRecorder(boom, boom, boom)
+    proc, metrics = make(rec, max_attempts=3)
+    value, headers = event()
+    for attempt in (1, 2):
+        with pytest.raises(RetryLater) as exc:
+            await proc.process(REF, VM.encode(), value, headers, attempt=attempt)
+        assert exc.value.attempt == attempt
+    out = await proc.process(REF, VM.encode(), value, headers, attempt=3)
+    assert out.dead_letter
+    assert dict(out.headers)["crs.error"] == b"retries_exhausted"
+    assert b"apiserver down" in dict(out.headers)["crs.reason"]
+    assert metrics.retries.labels("k8s_unavailable")._value.get() == 2
+
+
+async def test_non_retryable_api_error_is_dead_lettered_at_once() -> None:
+    rec = ScriptedRecorder(ForbiddenError("no patch on reservations", status=403))
+    proc, _ = make(rec)
+    value, headers = event()
+    out = await proc.process(REF, VM.encode(), value, headers)
+    assert dict(out.headers)["crs.error"] == b"k8s_error"
+
+
+async def test_a_bug_costs_one_event_not_the_service() -> None:
+    rec = ScriptedRecorder(ZeroDivisionError("oops"))
+    proc, _ = make(rec)
+    value, headers = event()
+    out = await proc.process(REF, VM.encode(), value, headers)
+    assert dict(out.headers)["crs.error"] == b"internal_error"
+    assert out.value == value
