@@ -33,8 +33,12 @@ unit: $(STAMP)
 integration: $(STAMP)
 	$(BIN)/pytest -m integration
 
+# Brings the dev stack up first (idempotent; the first run on a machine builds and caches
+# its servers), then runs the demo against it. CRS_DEVSTACK_RUN_DIR (and the other
+# CRS_DEVSTACK_* variables of devstack/lib.sh) select another dev stack instance.
 demo: $(STAMP)
-	$(BIN)/crs-consumer demo
+	devstack/up
+	set -a; . "$${CRS_DEVSTACK_RUN_DIR:-devstack/run}/env"; set +a; $(BIN)/crs-consumer demo
 
 devstack-up:
 	devstack/up

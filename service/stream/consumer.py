@@ -103,6 +103,7 @@ class StreamService:
         self._resume_at: dict[TopicPartition, float] = {}
         self._assigned: set[TopicPartition] = set()
         self._positions: dict[TopicPartition, int] = {}
+        self._commit_failures = 0
         self.started = False
         self.joined = False
         self.last_loop = clock()
@@ -121,14 +122,7 @@ class StreamService:
             max_poll_records=s.max_batch,
             **s.consumer_args,
         )
-        producer_args: dict[str, Any] = dict(s.client_args)
-        if s.exactly_once:
-            producer_args["transactional_id"] = s.transactional_id
-        else:
-            producer_args["enable_idempotence"] = True
-            producer_args["acks"] = "all"
-        self._producer = AIOKafkaProducer(**producer_args)
-        await self._producer.start()
+        self._producer = await self._start_producer()
         try:
             await self._consumer.start()
         except BaseException:
@@ -137,6 +131,35 @@ class StreamService:
         self._consumer.subscribe([s.input_topic], listener=_Listener(self))
         self.started = True
         log.info("consumer_started", topic=s.input_topic, group=s.group_id, eos=s.exactly_once)
+
+    async def _start_producer(self) -> AIOKafkaProducer:
+        s = self._s
+        producer_args: dict[str, Any] = dict(s.client_args)
+        if s.exactly_once:
+            producer_args["transactional_id"] = s.transactional_id
+        else:
+            producer_args["enable_idempotence"] = True
+            producer_args["acks"] = "all"
+        producer = AIOKafkaProducer(**producer_args)
+        await producer.start()
+        return producer
+
+    async def _replace_producer(self) -> None:
+        """A fresh producer after a failed commit.
+
+        After a rejected batch aiokafka keeps the producer's sequence numbers, and every
+        later transaction fails with OutOfOrderSequenceNumber (it lacks the Java client's
+        epoch bump, KIP-360). Re-initialising under the same transactional.id fences the
+        old instance, aborts whatever it left open and starts the sequences afresh.
+        """
+        old = self._producer
+        if old is not None:
+            try:
+                await old.stop()
+            except Exception as exc:  # a broken producer may fail to close; it is discarded
+                log.warning("producer_close_failed", error=str(exc))
+        self._producer = None
+        self._producer = await self._start_producer()
 
     def request_stop(self) -> None:
         self._stopping.set()
@@ -188,23 +211,23 @@ class StreamService:
                 raise
             except KafkaError as exc:
                 # Nothing of this batch is visible: process it again from its first offsets.
-                log.warning("commit_failed_replaying_batch", error=str(exc))
+                self._commit_failures += 1
+                delay = self._backoff(self._commit_failures)
+                log.warning("commit_failed_replaying_batch", error=str(exc), retry_in_s=delay)
                 self._metrics.retries.labels("kafka_commit").inc()
                 for tp, records in batch.items():
                     self._rewind(tp, records[0].offset)
-                await asyncio.sleep(self._s.retry_backoff_s)
+                await asyncio.sleep(delay)
+                await self._replace_producer()
                 return
+        self._commit_failures = 0
         self.processed += sum(len(res.out) for res in results)
         self._positions.update(offsets)
         for res in results:
             if res.rewind_to is not None:
                 self._rewind(res.tp, res.rewind_to)
             if res.retry is not None:
-                delay = min(
-                    self._s.retry_backoff_s * 2 ** (res.retry.attempt - 1),
-                    self._s.retry_backoff_max_s,
-                )
-                self._pause(res.tp, delay)
+                self._pause(res.tp, self._backoff(res.retry.attempt))
 
     async def _process_partition(
         self, tp: TopicPartition, records: list[ConsumerRecord]
@@ -240,8 +263,14 @@ class StreamService:
             async with producer.transaction():
                 if offsets:
                     await producer.send_offsets_to_transaction(offsets, self._s.group_id)
-                for r in out:
-                    await producer.send(r.topic, r.value, key=r.key, headers=r.headers)
+                futures = [
+                    await producer.send(r.topic, r.value, key=r.key, headers=r.headers) for r in out
+                ]
+                # aiokafka commits a transaction even when one of its batches was rejected
+                # (e.g. MessageSizeTooLarge): the record would be lost while its offset is
+                # committed. Awaiting every delivery first turns that into an abort.
+                if futures:
+                    await asyncio.gather(*futures)
         else:
             futures = [
                 await producer.send(r.topic, r.value, key=r.key, headers=r.headers) for r in out
@@ -254,6 +283,10 @@ class StreamService:
         self._metrics.commit.observe(time.perf_counter() - started)
 
     # ------------------------------------------------------------------ pause / resume
+
+    def _backoff(self, attempt: int) -> float:
+        """Capped exponential: backoff, 2x, 4x, ... up to the configured maximum."""
+        return min(self._s.retry_backoff_s * 2.0 ** (attempt - 1), self._s.retry_backoff_max_s)
 
     def _rewind(self, tp: TopicPartition, offset: int) -> None:
         assert self._consumer is not None

@@ -280,3 +280,63 @@ async def test_api_server_outage_mid_stream_loses_nothing(
     check_exactly_once(outputs, vms_before | vms_during, await allocations_by_vm(clean_k8s))
     dead = await e2e.read_all(devstack.kafka_bootstrap, topics["dlq"], 0, timeout_s=2)
     assert dead == []
+
+
+async def test_kafka_produce_failure_replays_the_batch_until_it_commits(
+    devstack: DevStack, clean_k8s: Any, new_topic: Any
+) -> None:
+    """The output topic refuses the records (too large for it): nothing is committed and
+    the batch is retried with back-off; once the topic accepts them, each input has
+    exactly one output."""
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    hosts = await seed_capacity(clean_k8s, hosts=4)
+    topics = {"input": await new_topic("in", PARTITIONS), "dlq": await new_topic("dlq", 1)}
+    topics["output"] = f"out-small-{topics['input']}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=devstack.kafka_bootstrap)
+    await admin.start()
+    try:
+        from aiokafka.admin import NewTopic
+
+        await admin.create_topics(
+            [NewTopic(topics["output"], PARTITIONS, 1, topic_configs={"max.message.bytes": "200"})]
+        )
+        records, vms = placements(hosts, 12)
+        cfg = e2e.config(devstack, topics, CRS_RETRY_BACKOFF_S="0.1", CRS_RETRY_BACKOFF_MAX_S="0.4")
+        runtime = Runtime(cfg)
+        await runtime.start()
+        task = asyncio.create_task(runtime.run())
+        try:
+            await e2e.publish(devstack.kafka_bootstrap, topics["input"], records)
+
+            async def refused() -> bool:
+                return runtime.metrics.retries.labels("kafka_commit")._value.get() >= 2
+
+            await wait_for(refused, 60, "the commit to be refused")
+            assert runtime.stream is not None
+            assert runtime.stream.processed == 0
+            await admin.alter_configs(
+                [
+                    ConfigResource(
+                        ConfigResourceType.TOPIC, topics["output"], {"max.message.bytes": "1048576"}
+                    )
+                ]
+            )
+
+            async def all_done() -> bool:
+                assert runtime.stream is not None
+                return runtime.stream.processed >= len(records)
+
+            await wait_for(all_done, 60, "processing after the topic accepts records")
+        finally:
+            runtime.request_stop()
+            await asyncio.wait_for(task, 30)
+            await runtime.stop()
+        outputs = await e2e.read_all(
+            devstack.kafka_bootstrap, topics["output"], len(records), partitions=PARTITIONS
+        )
+        assert len(outputs) == len(records)
+        check_exactly_once(outputs, vms, await allocations_by_vm(clean_k8s))
+    finally:
+        await admin.delete_topics([topics["output"]])
+        await admin.close()
