@@ -18,6 +18,7 @@ async def run_check(config: Config) -> int:
     from aiokafka.admin import AIOKafkaAdminClient
 
     from service.k8s import KubeClient
+    from service.k8s.client import COMMITTED_RESOURCES, HYPERVISORS, RESERVATIONS
 
     admin = AIOKafkaAdminClient(**config.kafka_client_args(), request_timeout_ms=10000)
     try:
@@ -31,8 +32,17 @@ async def run_check(config: Config) -> int:
         return 1
     finally:
         await admin.close()
-    missing = [t for t in (config.input_topic,) if t not in topics]
-    note = f" (input topic {missing[0]} does not exist yet)" if missing else ""
+    # Outputs to a missing topic would stall every commit (unless the brokers create
+    # topics on first use); a missing input topic only means nothing was published yet.
+    missing = [t for t in (config.output_topic, config.dlq_topic) if t not in topics]
+    if missing and not await _auto_create(admin_args=config.kafka_client_args()):
+        print(f"kafka: FAILED: output topic(s) missing: {', '.join(missing)}", file=sys.stderr)
+        return 1
+    note = (
+        ""
+        if config.input_topic in topics
+        else f" (input topic {config.input_topic} not created yet)"
+    )
     print(f"kafka: ok, {config.bootstrap_servers}{note}")
 
     try:
@@ -42,7 +52,8 @@ async def run_check(config: Config) -> int:
         return 1
     try:
         knowledge = await client.get_knowledge()
-        await client.list_reservations(limit=1)
+        for kind in (HYPERVISORS, RESERVATIONS, COMMITTED_RESOURCES):
+            await client.probe_list(kind)
     except Exception as exc:  # unreachable, forbidden, CRDs missing
         print(f"kubernetes: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
@@ -51,3 +62,27 @@ async def run_check(config: Config) -> int:
     kn = "present" if knowledge is not None else "MISSING (placements will count cr_slot=error)"
     print(f"kubernetes: ok, Knowledge flavor-groups {kn}")
     return 0
+
+
+async def _auto_create(admin_args: dict[str, object]) -> bool:
+    """Whether the brokers create topics on first use (auto.create.topics.enable)."""
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    admin = AIOKafkaAdminClient(**admin_args, request_timeout_ms=10000)
+    try:
+        await admin.start()
+        brokers = [b.nodeId for b in admin._client.cluster.brokers()]
+        described = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.BROKER, str(brokers[0]))]
+        )
+        for response in described:
+            for resource in response.resources:
+                for entry in resource[4]:
+                    if entry[0] == "auto.create.topics.enable":
+                        return str(entry[1]).lower() == "true"
+        return False
+    except Exception:  # unknown: be strict and report the missing topics
+        return False
+    finally:
+        await admin.close()

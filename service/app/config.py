@@ -112,8 +112,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Commit outputs and input offsets in one Kafka transaction"),
     Setting("max_event_bytes", "CRS_MAX_EVENT_BYTES", "1048576", _positive_int,
             "Larger input events are dead-lettered unread"),
-    Setting("max_attempts", "CRS_MAX_ATTEMPTS", "5", _positive_int,
-            "Attempts for an event failing on a retryable error before it is dead-lettered"),
+    Setting("max_attempts", "CRS_MAX_ATTEMPTS", "20", _positive_int,
+            "Attempts for an event failing on a retryable error before it is dead-lettered "
+            "(20 with the default back-off: about 8 minutes)"),
     Setting("retry_backoff_s", "CRS_RETRY_BACKOFF_S", "0.5", _positive_float,
             "First retry delay; doubles per attempt"),
     Setting("retry_backoff_max_s", "CRS_RETRY_BACKOFF_MAX_S", "30", _positive_float,

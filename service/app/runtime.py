@@ -21,6 +21,7 @@ from service.app.config import Config
 from service.app.http import HealthChecks, HttpServer, LoopWatchdog
 from service.crs import Recorder
 from service.k8s import K8sMetrics, KubeClient, ListClusterState
+from service.k8s.cache import WatchClusterState
 from service.stream.consumer import StreamService, StreamSettings
 from service.stream.metrics import StreamMetrics
 from service.stream.processor import Processor
@@ -40,7 +41,7 @@ class Runtime:
         self.metrics = StreamMetrics()
         self.k8s_metrics = K8sMetrics(self.metrics.registry)
         self.client: KubeClient | None = None
-        self.state: Any = None
+        self.state: ListClusterState | WatchClusterState | None = None
         self.stream: StreamService | None = None
         self.http: HttpServer | None = None
         self.watchdog = LoopWatchdog()
@@ -88,17 +89,12 @@ class Runtime:
         await self.stream.start()
         log.info("service_started", http_port=self.http.port, config=c.redacted())
 
-    async def _make_state(self) -> Any:
+    async def _make_state(self) -> ListClusterState | WatchClusterState:
         assert self.client is not None
         if self.config.k8s_read_mode == "watch":
-            try:
-                from service.k8s.cache import WatchClusterState
-            except ImportError:  # the watch cache is optional until it lands
-                log.warning("watch_mode_unavailable_falling_back_to_list")
-            else:
-                state = WatchClusterState(self.client)
-                await state.start()
-                return state
+            state = WatchClusterState(self.client)
+            await state.start()
+            return state
         return ListClusterState(self.client)
 
     async def run(self) -> None:
@@ -116,9 +112,8 @@ class Runtime:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        stop_state = getattr(self.state, "stop", None)
-        if stop_state is not None:
-            await stop_state()
+        if isinstance(self.state, WatchClusterState):
+            await self.state.stop()
         if self.client is not None:
             await self.client.close()
         if self.http is not None:
@@ -139,9 +134,8 @@ class Runtime:
     async def _ready(self) -> tuple[bool, str]:
         if self.stream is None or not self.stream.started:
             return False, "consumer not started"
-        state_ready = getattr(self.state, "ready", None)
-        if state_ready is not None:
-            ok, detail = state_ready()
+        if isinstance(self.state, WatchClusterState):
+            ok, detail = self.state.ready()
             if not ok:
                 return False, detail
         else:
@@ -189,12 +183,17 @@ async def run_service(config: Config) -> int:
     runtime.request_stop()
     deadline = config.shutdown_timeout_s
     started = time.monotonic()
+    # Most of the budget goes to finishing the batch in hand (the loop stops taking new
+    # records at once and commits what is done); the rest is kept for closing the
+    # clients, which leaves the group and aborts any transaction still open.
+    finish_budget = deadline * 0.7
     try:
-        # The loop notices the stop flag after the batch in hand is committed.
-        await asyncio.wait_for(asyncio.shield(run_task), deadline)
+        await asyncio.wait_for(asyncio.shield(run_task), finish_budget)
     except TimeoutError:
         log.warning("shutdown_abandoning_in_flight_work")
         run_task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(run_task, 2.0)
     except Exception:  # already logged above
         pass
     stop_task.cancel()

@@ -239,6 +239,23 @@ class KubeClient:
     ) -> list[CommittedResource]:
         return (await self.list_objects(COMMITTED_RESOURCES, CommittedResource, limit=limit)).items
 
+    async def probe_list(self, kind: ResourceKind) -> None:
+        """One list request of at most one object: is ``kind`` served and readable?
+
+        Unlike the typed lists it never follows continue tokens, so it costs one round
+        trip however many objects exist (``crs-consumer check``).
+        """
+        await self._request(
+            "list",
+            kind,
+            "",
+            self._co.list_cluster_custom_object,
+            kind.group,
+            kind.version,
+            kind.plural,
+            limit=1,
+        )
+
     async def get_knowledge(self, name: str = "flavor-groups") -> Knowledge | None:
         """The Knowledge object, None when it does not exist."""
         try:

@@ -52,8 +52,10 @@ class StreamSettings:
     max_batch: int = 500
     retry_backoff_s: float = 0.5
     retry_backoff_max_s: float = 30.0
-    partition_budget_s: float = 60.0
-    revoke_wait_s: float = 30.0
+    # The revoke wait must outlast a batch (its budget plus one slow Kubernetes call), or
+    # a slow batch would still be running when its partitions move.
+    partition_budget_s: float = 20.0
+    revoke_wait_s: float = 45.0
     poll_timeout_ms: int = 500
     client_args: dict[str, Any] = field(default_factory=dict)
     consumer_args: dict[str, Any] = field(default_factory=dict)
@@ -104,8 +106,8 @@ class StreamService:
         self._assigned: set[TopicPartition] = set()
         self._positions: dict[TopicPartition, int] = {}
         self._commit_failures = 0
+        self._revoked_in_batch: set[TopicPartition] = set()
         self.started = False
-        self.joined = False
         self.last_loop = clock()
         self.processed = 0
 
@@ -159,7 +161,20 @@ class StreamService:
             except Exception as exc:  # a broken producer may fail to close; it is discarded
                 log.warning("producer_close_failed", error=str(exc))
         self._producer = None
-        self._producer = await self._start_producer()
+        attempt = 0
+        while True:
+            try:
+                self._producer = await self._start_producer()
+                return
+            except ProducerFenced:
+                raise
+            except KafkaError as exc:  # the brokers may be down: wait, do not crash-loop
+                attempt += 1
+                delay = self._backoff(attempt)
+                log.warning("producer_restart_failed", error=str(exc), retry_in_s=delay)
+                if self._stopping.is_set():
+                    raise
+                await asyncio.sleep(delay)
 
     def request_stop(self) -> None:
         self._stopping.set()
@@ -195,12 +210,21 @@ class StreamService:
                     await self._process_batch(batch)
                 finally:
                     self._idle.set()
-            self._update_lag()
+            await self._update_lag()
 
     async def _process_batch(self, batch: dict[TopicPartition, list[ConsumerRecord]]) -> None:
+        self._revoked_in_batch.clear()
         results = await asyncio.gather(
             *(self._process_partition(tp, records) for tp, records in batch.items())
         )
+        # A partition revoked while this batch ran belongs to another member now (or will
+        # be re-fetched from its committed offset): committing its offsets or publishing
+        # its outputs here could duplicate them. The Kubernetes writes already made are
+        # idempotent, so its new owner's replay finds them in place.
+        dropped = [res.tp for res in results if res.tp in self._revoked_in_batch]
+        if dropped:
+            log.warning("dropping_results_of_revoked_partitions", partitions=dropped)
+            results = [res for res in results if res.tp not in self._revoked_in_batch]
         out = [r for res in results for r in res.out]
         offsets = {res.tp: res.next_offset for res in results if res.next_offset is not None}
         if out or offsets:
@@ -235,8 +259,10 @@ class StreamService:
         result = _PartitionResult(tp=tp, out=[], next_offset=None)
         deadline = self._clock() + self._s.partition_budget_s
         for record in records:
-            if self._clock() > deadline:
-                result.rewind_to = record.offset  # the rest comes with the next poll
+            if self._clock() > deadline or self._stopping.is_set() or tp in self._revoked_in_batch:
+                # Over budget: the rest comes with the next poll. Stopping or revoked: the
+                # rest is left for whoever consumes this partition next.
+                result.rewind_to = record.offset
                 break
             key = (tp, record.offset)
             attempt = self._attempts.get(key, 0) + 1
@@ -318,6 +344,7 @@ class StreamService:
             await asyncio.wait_for(self._idle.wait(), self._s.revoke_wait_s)
         except TimeoutError:
             log.warning("revoke_wait_timed_out", partitions=len(revoked))
+        self._revoked_in_batch.update(revoked)
         for tp in revoked:
             self._assigned.discard(tp)
             self._resume_at.pop(tp, None)
@@ -329,17 +356,24 @@ class StreamService:
 
     def _on_assigned(self, assigned: list[TopicPartition]) -> None:
         self._assigned = set(assigned) | self._assigned
-        self.joined = True
         self._metrics.assigned.set(len(self._assigned))
         log.info("partitions_assigned", partitions=sorted(tp.partition for tp in assigned))
 
-    def _update_lag(self) -> None:
-        # read_committed: the last stable offset is what this consumer can reach.
+    async def _update_lag(self) -> None:
+        # read_committed: the last stable offset is what this consumer can reach. A
+        # partition that has not committed here yet starts from the group's committed
+        # offset, so a partition stuck on its first record still shows its lag.
         assert self._consumer is not None
-        for tp in self._assigned:
-            end = self._consumer.last_stable_offset(tp)
+        for tp in list(self._assigned):
             position = self._positions.get(tp)
-            if end is not None and position is not None:
+            if position is None:
+                try:
+                    position = await self._consumer.committed(tp) or 0
+                except KafkaError:
+                    continue
+                self._positions[tp] = position
+            end = self._consumer.last_stable_offset(tp)
+            if end is not None:
                 self._metrics.lag.labels(tp.topic, str(tp.partition)).set(max(end - position, 0))
 
     @property

@@ -18,7 +18,7 @@ import structlog
 
 from service.crs import Recorder
 from service.crs.outcome import Outcome
-from service.crs.ports import ApiError
+from service.crs.ports import ApiError, ForbiddenError
 from service.stream.codec import (
     InputRef,
     Poison,
@@ -65,6 +65,7 @@ class Processor:
         dlq_topic: str,
         max_event_bytes: int,
         max_attempts: int,
+        max_dead_letter_value_bytes: int = 1_000_000,
     ) -> None:
         self._recorder = recorder
         self._metrics = metrics
@@ -72,6 +73,7 @@ class Processor:
         self._dlq_topic = dlq_topic
         self._max_event_bytes = max_event_bytes
         self._max_attempts = max_attempts
+        self._max_dead_letter_value = max_dead_letter_value_bytes
 
     async def process(
         self,
@@ -94,16 +96,18 @@ class Processor:
         request = event.data.request
         bound = bound.bind(event_id=event.id, instance_uuid=request.instance_uuid)
         try:
-            if event.data.decision.result.target_host:
-                outcome = await self._recorder.record_placement(event.data.decision, request)
-            else:
-                outcome = await self._recorder.record_no_host_found(event.data.decision, request)
+            outcome = await self._recorder.record(event.data.decision, request)
+            value = encode_output(event, ref, outcome)
         except ApiError as exc:
-            if exc.retryable and attempt < self._max_attempts:
+            # 401/403 is a deployment problem (RBAC, credentials) that an operator fixes:
+            # the events wait, paused, instead of all going to the dead-letter topic.
+            retryable = exc.retryable or isinstance(exc, ForbiddenError)
+            if retryable and attempt < self._max_attempts:
                 bound.warning("retry_later", attempt=attempt, error=str(exc))
-                self._metrics.retries.labels("k8s_unavailable").inc()
+                reason = "k8s_unavailable" if exc.retryable else "k8s_forbidden"
+                self._metrics.retries.labels(reason).inc()
                 raise RetryLater(exc, attempt) from exc
-            code = "retries_exhausted" if exc.retryable else "k8s_error"
+            code = "retries_exhausted" if retryable else "k8s_error"
             bound.error("dead_letter", code=code, attempt=attempt, error=str(exc))
             return self._dead_letter(ref, key, value, headers, code, f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # a bug must cost one event, not the service
@@ -126,7 +130,7 @@ class Processor:
         return OutRecord(
             topic=self._output_topic,
             key=request.instance_uuid.encode() or key,
-            value=encode_output(event, ref, outcome),
+            value=value,
             headers=[("content-type", b"application/cloudevents+json")],
         )
 
@@ -147,10 +151,17 @@ class Processor:
     ) -> OutRecord:
         self._metrics.dead_letters.labels(code).inc()
         original = [(k, v) for k, v in (headers or []) if not k.startswith("crs.")]
+        extra = dead_letter_headers(code, reason, ref)
+        if value is not None and len(value) > self._max_dead_letter_value:
+            # Too large to produce (the broker's and producer's 1 MiB record limits): a
+            # record that can never be sent would block its batch forever. The original
+            # stays in the input topic at the coordinates the headers name.
+            extra.append(("crs.value.omitted", str(len(value)).encode()))
+            value = None
         return OutRecord(
             topic=self._dlq_topic,
             key=key,
             value=value,
-            headers=original + dead_letter_headers(code, reason, ref),
+            headers=original + extra,
             dead_letter=True,
         )

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from service.crs.outcome import AllocationStatus, Outcome
-from service.crs.ports import ForbiddenError, UnavailableError
+from service.crs.ports import ForbiddenError, InvalidError, UnavailableError
 from service.model import Decision, ExternalSchedulerRequest
 from service.stream.codec import InputRef, encode_input
 from service.stream.metrics import StreamMetrics
@@ -33,6 +33,11 @@ class ScriptedRecorder:
         if isinstance(answer, BaseException):
             raise answer
         return answer  # type: ignore[no-any-return]
+
+    async def record(self, decision: Decision, request: ExternalSchedulerRequest) -> Outcome:
+        if decision.result.target_host:
+            return await self.record_placement(decision, request)
+        return await self.record_no_host_found(decision, request)
 
     async def record_placement(
         self, decision: Decision, request: ExternalSchedulerRequest
@@ -144,11 +149,61 @@ async def test_unavailable_retries_then_dead_letters_after_max_attempts() -> Non
 
 
 async def test_non_retryable_api_error_is_dead_lettered_at_once() -> None:
-    rec = ScriptedRecorder(ForbiddenError("no patch on reservations", status=403))
+    rec = ScriptedRecorder(InvalidError("spec.x: Invalid value", status=422))
     proc, _ = make(rec)
     value, headers = event()
     out = await proc.process(REF, VM.encode(), value, headers)
     assert dict(out.headers)["crs.error"] == b"k8s_error"
+
+
+async def test_forbidden_waits_for_the_operator_before_dead_lettering() -> None:
+    denied = ForbiddenError("no patch on reservations", status=403)
+    rec = ScriptedRecorder(denied, denied)
+    proc, metrics = make(rec, max_attempts=2)
+    value, headers = event()
+    with pytest.raises(RetryLater):
+        await proc.process(REF, VM.encode(), value, headers, attempt=1)
+    out = await proc.process(REF, VM.encode(), value, headers, attempt=2)
+    assert dict(out.headers)["crs.error"] == b"retries_exhausted"
+    assert metrics.retries.labels("k8s_forbidden")._value.get() == 1
+
+
+async def test_dead_letter_too_large_to_produce_keeps_coordinates_not_bytes() -> None:
+    metrics = StreamMetrics()
+    proc = Processor(
+        ScriptedRecorder(),  # type: ignore[arg-type]
+        metrics,
+        output_topic="out",
+        dlq_topic="dlq",
+        max_event_bytes=1000,
+        max_attempts=3,
+        max_dead_letter_value_bytes=2000,
+    )
+    small = await proc.process(REF, b"k", b"x" * 1500, [])
+    assert small.value == b"x" * 1500  # oversized for processing, still fits a record
+    huge = await proc.process(REF, b"k", b"x" * 5000, [])
+    headers = dict(huge.headers)
+    assert huge.value is None
+    assert headers["crs.error"] == b"oversized"
+    assert headers["crs.value.omitted"] == b"5000"
+    assert headers["crs.source.offset"] == b"42"
+
+
+async def test_an_unencodable_outcome_costs_one_event() -> None:
+    bad = Outcome(
+        kind="placement",
+        cr_slot="not-a-class",
+        intent="create",
+        instance_uuid=VM,
+        project_id="p1",
+        flavor_name="m1.small",
+        flavor_group="g1",
+        target_host="hv-1",
+    )
+    proc, _ = make(ScriptedRecorder(bad))
+    value, headers = event()
+    out = await proc.process(REF, VM.encode(), value, headers)
+    assert dict(out.headers)["crs.error"] == b"internal_error"
 
 
 async def test_a_bug_costs_one_event_not_the_service() -> None:
