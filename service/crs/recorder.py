@@ -14,7 +14,9 @@ or an in-memory fake.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Protocol
@@ -100,6 +102,7 @@ class Recorder:
         placement_counter: _Counter | None = None,
         no_host_found_counter: _Counter | None = None,
         *,
+        serialize_per_host: bool = True,
         max_conflict_retries: int = 5,
         backoff_s: float = 0.01,
         jitter: float = 0.1,
@@ -116,10 +119,15 @@ class Recorder:
         self._clock = clock or _utc_now
         self._random = random.Random()
         self._flavor_groups = _FlavorGroupsMemo()
+        self._serialize = serialize_per_host
+        # Weak values: a host's lock lives only while a placement holds or awaits it.
+        self._host_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = (
+            weakref.WeakValueDictionary()
+        )
 
     async def record(self, decision: Decision, request: ExternalSchedulerRequest) -> Outcome:
         """Dispatch on the decision: a target host is a placement, none is no-host-found."""
-        if decision.result.target_host is None:
+        if not decision.result.target_host:
             return await self.record_no_host_found(decision, request)
         return await self.record_placement(decision, request)
 
@@ -174,6 +182,21 @@ class Recorder:
             log.debug("cr_tracking_skipped")
             return outcome(CrSlot.SKIPPED.value, None)
 
+        async with self._host_lock(target):
+            return await self._record_placement(decision, request, target, intent, log, outcome)
+
+    async def _record_placement(
+        self,
+        decision: Decision,
+        request: ExternalSchedulerRequest,
+        target: str,
+        intent: str,
+        log: structlog.typing.FilteringBoundLogger,
+        outcome: Callable[..., Outcome],
+    ) -> Outcome:
+        project_id = request.project_id
+        flavor_name = request.flavor_name
+        instance_uuid = request.instance_uuid
         hosts = [*decision.result.ordered_hosts, target]
         snapshot = await self._state.snapshot(hosts, project_id)
         try:
@@ -302,11 +325,30 @@ class Recorder:
                 and crr.matches_group(project_id, flavor_group)
             )
 
-        fresh = await self._state.get_reservation(name)
-        if fresh is not None and matches(fresh) and reservation_remaining_memory(fresh) > 0:
-            return [fresh if r.name == name else r for r in current]
+        # Every candidate is re-read, not only the one that conflicted: another writer may
+        # have put this very VM into a sibling slot, and the idempotency check must see it.
+        fresh = await asyncio.gather(*(self._state.get_reservation(r.name) for r in current))
+        kept = [r for r in fresh if r is not None and matches(r)]
+        if any(r.name == name and reservation_remaining_memory(r) > 0 for r in kept):
+            return kept
         on_host = await self._state.reservations_on_host(target)
         return [r for r in on_host if matches(r)]
+
+    def _host_lock(self, host: str) -> contextlib.AbstractAsyncContextManager[object]:
+        """Placements onto one host, decided and written one at a time in this process.
+
+        Partitions run concurrently, so a burst of VMs for one host (a multi-create) would
+        otherwise race for the same slot inside one replica, each round letting one
+        writer win and the rest retry, until the retry budget runs out. Serialised, each
+        decision sees the previous write (read-your-writes) and no conflict arises; the
+        resourceVersion guard still settles races between replicas.
+        """
+        if not self._serialize:
+            return contextlib.nullcontext()
+        lock = self._host_locks.get(host)
+        if lock is None:
+            lock = self._host_locks[host] = asyncio.Lock()
+        return lock
 
     def _backoff(self) -> float:
         return self._backoff_s * (1.0 + self._jitter * self._random.random())
@@ -364,7 +406,7 @@ class Recorder:
         cr_slot = classify_no_host_found(
             active, snapshot.evaluator, input_hosts, project_id, group, vm_mem
         )
-        log.info("no_host_found_classified", cr_slot=cr_slot, flavor_group=group)
+        log.debug("no_host_found_classified", cr_slot=cr_slot, flavor_group=group)
         self._count_no_host_found(cr_slot, group, intent)
         return outcome(cr_slot, group, vm_mem)
 

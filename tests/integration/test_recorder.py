@@ -473,10 +473,12 @@ async def test_race_eight_writers_two_slots(env: Env) -> None:
     )
     gated = GatedState(env.state)
     gated.barrier = asyncio.Barrier(8)
-    rec = env.recorder_on(gated)
+    # Eight writers as eight replicas would be: each its own Recorder, so only the
+    # resourceVersion guard stands between them.
+    recs = [env.recorder_on(gated) for _ in range(8)]
     uuids = [f"vm-{i}" for i in range(8)]
 
-    outs = await asyncio.gather(*(place(rec, uuid=u) for u in uuids))
+    outs = await asyncio.gather(*(place(r, uuid=u) for r, u in zip(recs, uuids, strict=True)))
 
     slots = {n: allocations_of(await stored(env.api, n)) for n in ("slot-1", "slot-2")}
     placed = [u for allocs in slots.values() for u in allocs]
@@ -494,6 +496,62 @@ async def test_race_eight_writers_two_slots(env: Env) -> None:
     assert env.k8s_requests("patch", "reservations", "409") >= 1
     assert env.k8s_requests("patch", "reservations", "200") == 4
     assert env.placement("slot_used") == 8
+
+
+async def test_one_replica_serialises_placements_per_host_without_conflicts(env: Env) -> None:
+    """Within one process, concurrent partitions placing onto one host take turns: each
+    decision sees the previous write, so a burst never exhausts the conflict budget."""
+    await seed(
+        env.api,
+        *standard_world(
+            f.reservation("slot-1", host=HOST, memory="8Gi"),
+            f.reservation("slot-2", host=HOST, memory="8Gi"),
+        ),
+    )
+    rec = env.recorder_on(env.state)
+    outs = await asyncio.gather(*(place(rec, uuid=f"vm-{i}") for i in range(12)))
+    # Four fit; each later decision already sees the slots full (slot_missed).
+    statuses = sorted((o.cr_slot, o.allocation.value) for o in outs)
+    assert statuses == [("slot_missed", "not_applicable")] * 8 + [("slot_used", "written")] * 4
+    assert sum(o.conflicts for o in outs) == 0
+    assert env.k8s_requests("patch", "reservations", "409") == 0
+
+
+async def test_a_vm_written_into_a_sibling_slot_meanwhile_is_found_after_a_conflict(
+    env: Env,
+) -> None:
+    """Another writer puts this VM into slot-2 while we conflict on slot-1: the re-read
+    covers every candidate, so the VM is reported already present, not written twice."""
+    await seed(
+        env.api,
+        *standard_world(
+            f.reservation("slot-1", host=HOST, memory="8Gi"),
+            f.reservation("slot-2", host=HOST, memory="16Gi"),
+        ),
+    )
+    gated = GatedState(env.state)
+    co = client.CustomObjectsApi(env.api)
+
+    async def race(res: Reservation, n: int) -> None:
+        if n == 1:
+            assert res.name == "slot-1"
+            other = {"creationTimestamp": "2026-01-01T00:00:00Z", "resources": {"memory": "1Gi"}}
+            for name, vm in (("slot-1", "someone-else"), ("slot-2", UUID)):
+                await co.patch_cluster_custom_object(
+                    *f.RES,
+                    name,
+                    {"spec": {"committedResourceReservation": {"allocations": {vm: other}}}},
+                    _content_type="application/merge-patch+json",
+                )
+
+    gated.before_patch = race
+    out = await place(env.recorder_on(gated))
+    assert (out.allocation, out.reservation, out.conflicts) == (
+        AllocationStatus.ALREADY_PRESENT,
+        "slot-2",
+        1,
+    )
+    assert UUID not in allocations_of(await stored(env.api, "slot-1"))
 
 
 async def test_reservation_deleted_between_read_and_patch_moves_to_other_slot(env: Env) -> None:
