@@ -14,6 +14,8 @@ from typing import Any
 
 from kubernetes_asyncio import client
 
+from service.app.scenario import HYPERVISOR_SPEC, ready_conditions
+
 HV = ("kvm.cloud.sap", "v1", "hypervisors")
 RES = ("cortex.cloud", "v1alpha1", "reservations")
 CR = ("cortex.cloud", "v1alpha1", "committedresources")
@@ -24,15 +26,7 @@ TS = "2026-01-01T00:00:00Z"
 
 
 def ready(status: str = "True") -> list[dict[str, Any]]:
-    return [
-        {
-            "type": "Ready",
-            "status": status,
-            "reason": "Test",
-            "message": "",
-            "lastTransitionTime": TS,
-        }
-    ]
+    return ready_conditions(status, reason="Test")
 
 
 def hypervisor(
@@ -53,18 +47,7 @@ def hypervisor(
         "apiVersion": "kvm.cloud.sap/v1",
         "kind": "Hypervisor",
         "metadata": {"name": name},
-        "spec": {
-            "aggregates": [],
-            "allowedProjects": [],
-            "createCertManagerCertificate": False,
-            "customTraits": [],
-            "evacuateOnReboot": False,
-            "highAvailability": False,
-            "installCertificate": False,
-            "lifecycleEnabled": False,
-            "reboot": False,
-            "skipTests": True,
-        },
+        "spec": dict(HYPERVISOR_SPEC),
         "status": status,
     }
 

@@ -25,16 +25,32 @@ _CR_LABEL = "reservations.cortex.cloud/type"
 GiB = 1024**3
 
 
-def _ready(status: str = "True") -> list[dict[str, Any]]:
+def ready_conditions(status: str = "True", reason: str = "Demo") -> list[dict[str, Any]]:
+    """A ``Ready`` condition list, complete as the upstream schemas require."""
     return [
         {
             "type": "Ready",
             "status": status,
-            "reason": "Demo",
+            "reason": reason,
             "message": "",
             "lastTransitionTime": _TS,
         }
     ]
+
+
+# The spec fields the upstream Hypervisor schema requires; the service reads none of them.
+HYPERVISOR_SPEC: dict[str, Any] = {
+    "aggregates": [],
+    "allowedProjects": [],
+    "createCertManagerCertificate": False,
+    "customTraits": [],
+    "evacuateOnReboot": False,
+    "highAvailability": False,
+    "installCertificate": False,
+    "lifecycleEnabled": False,
+    "reboot": False,
+    "skipTests": True,
+}
 
 
 def _meta(name: str, **labels: str) -> dict[str, Any]:
@@ -54,18 +70,7 @@ def hypervisor(
         "apiVersion": "kvm.cloud.sap/v1",
         "kind": "Hypervisor",
         "metadata": _meta(name),
-        "spec": {
-            "aggregates": [],
-            "allowedProjects": [],
-            "createCertManagerCertificate": False,
-            "customTraits": [],
-            "evacuateOnReboot": False,
-            "highAvailability": False,
-            "installCertificate": False,
-            "lifecycleEnabled": False,
-            "reboot": False,
-            "skipTests": True,
-        },
+        "spec": dict(HYPERVISOR_SPEC),
         "status": status,
     }
 
@@ -95,7 +100,7 @@ def reservation(
             "resources": {"memory": f"{memory_gib}Gi", "cpu": "8"},
             "committedResourceReservation": crr,
         },
-        "status": {"host": host, "conditions": _ready("True" if ready else "False")},
+        "status": {"host": host, "conditions": ready_conditions("True" if ready else "False")},
     }
 
 
@@ -116,7 +121,7 @@ def committed_resource(
             "resourceType": "memory",
             "state": state,
         },
-        "status": {"conditions": _ready(), "usedResources": {"memory": used}},
+        "status": {"conditions": ready_conditions(), "usedResources": {"memory": used}},
     }
 
 
@@ -161,7 +166,7 @@ def knowledge(ready: bool = True) -> dict[str, Any]:
         "metadata": _meta("flavor-groups"),
         "spec": {"schedulingDomain": "nova", "recency": "60s"},
         "status": {
-            "conditions": _ready("True" if ready else "False"),
+            "conditions": ready_conditions("True" if ready else "False"),
             "raw": {"features": FLAVOR_GROUPS},
             "rawLength": len(FLAVOR_GROUPS),
         },
