@@ -106,6 +106,14 @@ def check_exactly_once(outputs: list[Any], vms: set[str], where: dict[str, list[
     assert not twice, f"VMs written into more than one slot: {twice}"
 
 
+async def service_topics(new_topic: Any) -> dict[str, str]:
+    return {
+        "input": await new_topic("in", PARTITIONS),
+        "output": await new_topic("out", PARTITIONS),
+        "dlq": await new_topic("dlq", 1),
+    }
+
+
 def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 20) -> int:
     if proc.poll() is None:
         proc.send_signal(sig)
@@ -116,11 +124,7 @@ async def test_sigkill_mid_stream_then_restart_is_exactly_once(
     devstack: DevStack, clean_k8s: Any, new_topic: Any, tmp_path: Path
 ) -> None:
     hosts = await seed_capacity(clean_k8s)
-    topics = {
-        "input": await new_topic("in", PARTITIONS),
-        "output": await new_topic("out", PARTITIONS),
-        "dlq": await new_topic("dlq", 1),
-    }
+    topics = await service_topics(new_topic)
     records, vms = placements(hosts, 240)
     await e2e.publish(devstack.kafka_bootstrap, topics["input"], records)
     cfg = e2e.config(devstack, topics, CRS_MAX_BATCH="8", CRS_SHUTDOWN_TIMEOUT_S="15")
@@ -174,11 +178,7 @@ async def test_rebalance_hands_partitions_over_without_loss_or_duplicates(
     devstack: DevStack, clean_k8s: Any, new_topic: Any, tmp_path: Path
 ) -> None:
     hosts = await seed_capacity(clean_k8s)
-    topics = {
-        "input": await new_topic("in", PARTITIONS),
-        "output": await new_topic("out", PARTITIONS),
-        "dlq": await new_topic("dlq", 1),
-    }
+    topics = await service_topics(new_topic)
     records, vms = placements(hosts, 200)
     cfg_a = e2e.config(devstack, topics, CRS_MAX_BATCH="5", CRS_TRANSACTIONAL_ID="tx-a")
     cfg_b = e2e.config(devstack, topics, CRS_MAX_BATCH="5", CRS_TRANSACTIONAL_ID="tx-b")
@@ -212,11 +212,7 @@ async def test_api_server_outage_mid_stream_loses_nothing(
     devstack: DevStack, clean_k8s: Any, new_topic: Any
 ) -> None:
     hosts = await seed_capacity(clean_k8s, hosts=4)  # 40 VMs, room for 64
-    topics = {
-        "input": await new_topic("in", PARTITIONS),
-        "output": await new_topic("out", PARTITIONS),
-        "dlq": await new_topic("dlq", 1),
-    }
+    topics = await service_topics(new_topic)
     before, vms_before = placements(hosts, 20)
     during, vms_during = placements(hosts, 20)
     cfg = e2e.config(
