@@ -47,7 +47,7 @@ from typing import Any, Final
 
 import structlog
 
-from service.crs.evaluator import SlotEvaluator, hv_free_memory, is_slot
+from service.crs.evaluator import HostSlots, SlotEvaluator, hv_free_memory, is_slot, slot_summary
 from service.crs.flavors import FLAVOR_GROUPS_KNOWLEDGE_NAME
 from service.crs.ports import ClusterState, Snapshot, UnavailableError
 from service.k8s.client import (
@@ -119,6 +119,9 @@ class WatchClusterState(ClusterState):
         # The indexes. Inner dicts are keyed by object name so an update replaces in O(1).
         self._hv_free: dict[str, int] = {}
         self._slots_by_host: dict[str, dict[str, Reservation]] = {}
+        # The same slots summarised once per change (immutable, replaced per host), so a
+        # request's queries never walk Reservation objects (see service.crs.evaluator).
+        self._host_slots: dict[str, HostSlots] = {}
         self._crs_by_project: dict[str, dict[str, CommittedResource]] = {}
         self._knowledge: Knowledge | None = None
 
@@ -234,6 +237,18 @@ class WatchClusterState(ClusterState):
                 del self._slots_by_host[old.spec.target_host]
         if new is not None and is_slot(new):
             self._slots_by_host.setdefault(new.spec.target_host, {})[new.name] = new
+        if old is not None:
+            self._summarise(old.spec.target_host)
+        if new is not None and (old is None or old.spec.target_host != new.spec.target_host):
+            self._summarise(new.spec.target_host)
+
+    def _summarise(self, host: str) -> None:
+        """Re-summarise one host's slots, in name order (O(slots on the host))."""
+        slots = self._slots_by_host.get(host)
+        if slots:
+            self._host_slots[host] = HostSlots(slot_summary(slots[n]) for n in sorted(slots))
+        else:
+            self._host_slots.pop(host, None)
 
     def _on_committed_resource(
         self, old: CommittedResource | None, new: CommittedResource | None
@@ -265,20 +280,20 @@ class WatchClusterState(ClusterState):
             raise UnavailableError("watch cache stale: " + "; ".join(problems))
         # --- from here on no await: one consistent view of the cluster ---
         free = self._hv_free
-        slots = self._slots_by_host
+        summarised = self._host_slots
         hv: dict[str, int] = {}
-        by_host: dict[str, list[Reservation]] = {}
+        by_host: dict[str, HostSlots] = {}
         for host in hosts:
             value = free.get(host)
             if value is not None:
                 hv[host] = value
-            host_slots = slots.get(host)
-            if host_slots and host not in by_host:
-                by_host[host] = [host_slots[n] for n in sorted(host_slots)]
+            host_slots = summarised.get(host)
+            if host_slots is not None:
+                by_host[host] = host_slots  # immutable: a copy of the reference suffices
         project = self._crs_by_project.get(project_id)
         crs = [project[n] for n in sorted(project)] if project else []
         return Snapshot(
-            evaluator=SlotEvaluator(hv, by_host),
+            evaluator=SlotEvaluator.from_host_slots(hv, by_host),
             committed_resources=crs,
             knowledge=self._knowledge,
         )

@@ -1,0 +1,545 @@
+"""Shared plumbing of the service benchmarks (bench_throughput, bench_placements, ...).
+
+Endpoints come from the environment only (``KAFKA_BOOTSTRAP_SERVERS``, ``KUBECONFIG``),
+so the scripts run against any dev stack: ``set -a && . devstack/run/env && set +a``.
+
+The benchmark cluster is a deterministic family of sizes: ``n`` hypervisors
+``hv-00000..``, five committed-resource Reservations per host (slot 0 of every host
+belongs to project ``p-bench``, 1 TiB, for placements; slots 1-4 to ``p-0000..``), one
+CommittedResource per project and the demo ``flavor-groups`` Knowledge. Every object
+carries the label ``crs-bench=true``; a marker Knowledge records the size seeded, so a
+script asking for the size already there seeds nothing, one asking for more only adds
+the missing hosts, and one asking for less wipes the bench objects (one deletecollection
+per kind) and seeds afresh. Objects without the label are never touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import ssl
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import aiohttp
+from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from service.app import scenario
+from service.app.config import Config
+from service.app.logs import configure_logging
+from service.app.runtime import Runtime
+from service.k8s import KubeClient
+from service.stream.codec import encode_input
+from service.stream.processor import Processor
+
+GiB = 1024**3
+BENCH_LABEL = "crs-bench"
+SELECTOR = f"{BENCH_LABEL}=true"
+MARKER = "crs-bench-marker"
+RES_PER_HOST = 5
+PROJECTS = 1000
+PLACEMENT_PROJECT = "p-bench"
+KINDS = {
+    "hypervisors": ("kvm.cloud.sap", "v1"),
+    "reservations": ("cortex.cloud", "v1alpha1"),
+    "committedresources": ("cortex.cloud", "v1alpha1"),
+    "knowledges": ("cortex.cloud", "v1alpha1"),
+}
+MERGE = "application/merge-patch+json"
+
+Record = tuple[bytes | None, bytes, list[tuple[str, bytes]], int | None]  # key, value, hdrs, part
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def env_endpoints() -> tuple[str, str]:
+    """(bootstrap servers, kubeconfig) from the environment; exits with a hint if unset."""
+    bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    kubeconfig = os.environ.get("KUBECONFIG")
+    if not bootstrap or not kubeconfig:
+        sys.exit(
+            "KAFKA_BOOTSTRAP_SERVERS and KUBECONFIG must be set: "
+            "devstack/up && set -a && . devstack/run/env && set +a"
+        )
+    return bootstrap, kubeconfig
+
+
+def load() -> str:
+    """The machine load (1/5/15-minute averages), printed next to every figure."""
+    one, five, fifteen = os.getloadavg()
+    return f"load {one:.2f} {five:.2f} {fifteen:.2f} ({os.cpu_count()} cpus)"
+
+
+def quiet_logging() -> None:
+    """The service's own JSON logging at INFO, rendered but written to /dev/null.
+
+    The per-event log lines are part of the service's cost, so they are formatted as in
+    production; only the terminal is spared.
+    """
+    configure_logging("INFO", "json", stream=open(os.devnull, "w"))  # noqa: SIM115
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    """The q-quantile (0..1) by nearest rank; values need not be sorted."""
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def median(values: Iterable[float]) -> float:
+    return statistics.median(list(values))
+
+
+# --------------------------------------------------------------------------- Kafka
+
+
+async def create_topics(bootstrap: str, partitions: dict[str, int]) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(t, n, 1) for t, n in partitions.items()])
+    finally:
+        await admin.close()
+
+
+async def delete_topics(bootstrap: str, topics: Sequence[str]) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.delete_topics(list(topics))
+    except Exception as exc:  # best effort: leftovers only cost disk
+        print(f"  (could not delete topics: {exc})")
+    finally:
+        await admin.close()
+
+
+def topic_name(prefix: str) -> str:
+    return f"bench-{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+async def publish(bootstrap: str, topic: str, records: Iterable[Record]) -> int:
+    """Publish (acks=all, batched), in chunks so memory stays bounded; returns the count."""
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, acks="all", linger_ms=20, max_batch_size=512 * 1024
+    )
+    await producer.start()
+    n = 0
+    try:
+        pending: list[Any] = []
+        for key, value, headers, partition in records:
+            pending.append(
+                await producer.send(topic, value, key=key, headers=headers, partition=partition)
+            )
+            n += 1
+            if len(pending) >= 5000:
+                await asyncio.gather(*pending)
+                pending.clear()
+        await asyncio.gather(*pending)
+    finally:
+        await producer.stop()
+    return n
+
+
+# --------------------------------------------------------------------------- events
+
+
+def host(i: int) -> str:
+    return f"hv-{i:05d}"
+
+
+def project(i: int) -> str:
+    return f"p-{i % PROJECTS:04d}"
+
+
+def _vm(rng: random.Random) -> str:
+    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+
+
+def outcome_record(
+    rng: random.Random,
+    *,
+    project_id: str,
+    hosts: list[str],
+    target: str | None,
+    flavor: str = "m2.small",
+    partition: int | None = None,
+) -> Record:
+    """One input record: a Nova outcome (CloudEvent, structured mode) keyed by the VM."""
+    vm = _vm(rng)
+    request = scenario.nova_request(
+        instance_uuid=vm, project_id=project_id, flavor=flavor, hosts=hosts
+    )
+    decision = {
+        "name": f"nova-{vm[:8]}",
+        "result": {"targetHost": target, "orderedHosts": hosts if target else []},
+    }
+    value, headers = encode_input(decision, request, event_id=vm)
+    return vm.encode(), value, headers, partition
+
+
+def no_host_found(rng: random.Random, n_hv: int, n_hosts: int = 10) -> Record:
+    """A no-host-found outcome of a project with an active, non-exhausted CR whose slots
+    are (almost always) on none of the input hosts: the classifier queries every host."""
+    hosts = [host(i) for i in rng.sample(range(n_hv), n_hosts)]
+    return outcome_record(
+        rng, project_id=project(rng.randrange(PROJECTS)), hosts=hosts, target=None
+    )
+
+
+def slot_missed(rng: random.Random, n_hv: int, n_hosts: int = 10) -> Record:
+    """A placement that writes nothing (the project's slots are elsewhere): slot_missed."""
+    hosts = [host(i) for i in rng.sample(range(n_hv), n_hosts)]
+    return outcome_record(
+        rng, project_id=project(rng.randrange(PROJECTS)), hosts=hosts, target=hosts[0]
+    )
+
+
+def slot_used(rng: random.Random, target: int, n_hv: int, partition: int | None = None) -> Record:
+    """A placement on ``hv-target`` of project p-bench (1 TiB slot there): one patch."""
+    others = [host(i) for i in rng.sample(range(n_hv), 3) if i != target]
+    hosts = [host(target), *others[:2]]
+    return outcome_record(
+        rng, project_id=PLACEMENT_PROJECT, hosts=hosts, target=hosts[0], partition=partition
+    )
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+def _label(obj: dict[str, Any]) -> dict[str, Any]:
+    obj["metadata"]["labels"][BENCH_LABEL] = "true"
+    return obj
+
+
+def host_objects(i: int) -> list[dict[str, Any]]:
+    """Hypervisor ``hv-i`` and its five Reservations (API-server JSON, with status)."""
+    rng = random.Random(i)
+    objs = [_label(scenario.hypervisor(host(i), 1024, rng.randrange(0, 600, 16), None))]
+    objs.append(
+        _label(
+            scenario.reservation(
+                f"res-{i:05d}-0", host(i), PLACEMENT_PROJECT, "gp_v2", 1024, {}, True
+            )
+        )
+    )
+    for j in range(1, RES_PER_HOST):
+        group, gib = ("gp_v2", 32) if j % 2 else ("hana_v2", 128)
+        objs.append(
+            _label(
+                scenario.reservation(
+                    f"res-{i:05d}-{j}", host(i), project(i * 4 + j), group, gib, {}, True
+                )
+            )
+        )
+    return objs
+
+
+def shared_objects() -> list[dict[str, Any]]:
+    """CommittedResources (one per project, active, room left) and the Knowledge."""
+    objs = [
+        _label(
+            scenario.committed_resource(
+                f"cr-{project(k)}", project(k), "gp_v2", "confirmed", "512Gi", "96Gi"
+            )
+        )
+        for k in range(PROJECTS)
+    ]
+    objs.append(
+        _label(
+            scenario.committed_resource(
+                "cr-p-bench", PLACEMENT_PROJECT, "gp_v2", "confirmed", "100Pi", "0"
+            )
+        )
+    )
+    objs.append(_label(scenario.knowledge()))
+    return objs
+
+
+def _plural(obj: dict[str, Any]) -> str:
+    return {
+        "Hypervisor": "hypervisors",
+        "Reservation": "reservations",
+        "CommittedResource": "committedresources",
+        "Knowledge": "knowledges",
+    }[obj["kind"]]
+
+
+@dataclass
+class SeedReport:
+    hypervisors: int
+    created: int = 0
+    create_s: float = 0.0
+    status_s: float = 0.0
+    wiped: bool = False
+
+    @property
+    def total_s(self) -> float:
+        return self.create_s + self.status_s
+
+    def __str__(self) -> str:
+        if not self.created:
+            return f"cluster of {self.hypervisors} hypervisors already seeded"
+        rate = self.created / self.total_s if self.total_s else 0.0
+        wiped = ", after a wipe" if self.wiped else ""
+        return (
+            f"seeded {self.created} objects (to {self.hypervisors} hypervisors, "
+            f"{self.hypervisors * RES_PER_HOST} reservations{wiped})"
+            f" in {self.total_s:.1f}s: creates {self.create_s:.1f}s + status writes "
+            f"{self.status_s:.1f}s, {rate:.0f} objects/s"
+        )
+
+
+class Cluster:
+    """Seeding and resetting the benchmark cluster through the API server.
+
+    Plain aiohttp with the kubeconfig's credentials: kubernetes_asyncio's per-request
+    serialisation costs about half the client CPU, which would make seeding twice as long.
+    """
+
+    def __init__(self, kube: KubeClient, concurrency: int = 48) -> None:
+        cfg = kube.api_client.configuration
+        ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
+        if cfg.cert_file:
+            ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
+        headers = {"Content-Type": "application/json"}
+        token = (cfg.api_key or {}).get("BearerToken") or (cfg.api_key or {}).get("authorization")
+        if token:
+            headers["Authorization"] = token if " " in token else f"Bearer {token}"
+        self.kube = kube
+        self.base = cfg.host.rstrip("/")
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(ssl=ctx, limit=concurrency), headers=headers
+        )
+        self.sem = asyncio.Semaphore(concurrency)
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def connect(cls, kubeconfig: str) -> AsyncIterator[Cluster]:
+        kube = await KubeClient.create(kubeconfig, request_timeout_s=120)
+        cluster = cls(kube)
+        try:
+            yield cluster
+        finally:
+            await cluster.session.close()
+            await kube.close()
+
+    def url(self, plural: str, name: str = "", sub: str = "") -> str:
+        g, v = KINDS[plural]
+        return "/".join(p for p in (f"{self.base}/apis/{g}/{v}/{plural}", name, sub) if p)
+
+    async def call(
+        self, method: str, url: str, body: Any = None, content_type: str | None = None
+    ) -> tuple[int, bytes]:
+        """One request (retried on 429/5xx); returns (status, body)."""
+        data = json.dumps(body) if body is not None else None
+        headers = {"Content-Type": content_type} if content_type else None
+        status, text = 0, b""
+        async with self.sem:
+            for attempt in range(6):
+                async with self.session.request(method, url, data=data, headers=headers) as r:
+                    status, text = r.status, await r.read()
+                if status != 429 and status < 500:
+                    break
+                await asyncio.sleep(0.2 * 2**attempt)
+        return status, text
+
+    async def marker(self) -> int | None:
+        status, body = await self.call("GET", self.url("knowledges", MARKER))
+        if status == 404:
+            return None
+        ann = json.loads(body)["metadata"].get("annotations") or {}
+        return int(ann.get("crs-bench/hypervisors", "-1"))
+
+    async def _set_marker(self, n: int | None) -> None:
+        await self.call("DELETE", self.url("knowledges", MARKER))
+        if n is not None:
+            g, v = KINDS["knowledges"]
+            body = {
+                "apiVersion": f"{g}/{v}",
+                "kind": "Knowledge",
+                "metadata": {
+                    "name": MARKER,
+                    "labels": {BENCH_LABEL: "true"},
+                    "annotations": {"crs-bench/hypervisors": str(n)},
+                },
+                "spec": {"schedulingDomain": "nova", "recency": "60s"},
+            }
+            status, text = await self.call("POST", self.url("knowledges"), body)
+            assert status < 300, (status, text[:300])
+
+    async def wipe(self) -> None:
+        """Delete every bench object (labelled ``crs-bench=true``), one request per kind."""
+        await self._set_marker(None)
+        for plural in KINDS:
+            status, text = await self.call(
+                "DELETE", self.url(plural) + f"?labelSelector={BENCH_LABEL}%3Dtrue"
+            )
+            assert status < 300, (plural, status, text[:300])
+
+    async def _create(self, obj: dict[str, Any]) -> None:
+        plural = _plural(obj)
+        body = {k: val for k, val in obj.items() if k != "status"}
+        status, text = await self.call("POST", self.url(plural), body)
+        if status == 409 and plural == "knowledges":  # someone else's flavor-groups
+            patch = {"metadata": {"labels": obj["metadata"]["labels"]}, "spec": obj["spec"]}
+            url = self.url(plural, obj["metadata"]["name"])
+            status, text = await self.call("PATCH", url, patch, MERGE)
+        assert status < 300 or status == 409, (status, text[:300])
+
+    async def _status(self, obj: dict[str, Any]) -> None:
+        url = self.url(_plural(obj), obj["metadata"]["name"], "status")
+        status, text = await self.call("PATCH", url, {"status": obj["status"]}, MERGE)
+        assert status < 300, (status, text[:300])
+
+    async def ensure(self, n_hv: int) -> SeedReport:
+        """Make the bench cluster exactly ``n_hv`` hypervisors (see the module docstring):
+        concurrent creates (semaphore), then concurrent status writes; both timed."""
+        report = SeedReport(n_hv)
+        current = await self.marker()
+        if current == n_hv:
+            return report
+        objs: list[dict[str, Any]] = []
+        if current is None or current > n_hv:
+            await self.wipe()
+            report.wiped = True
+            objs.extend(shared_objects())
+            start = 0
+        else:
+            await self._set_marker(None)
+            start = current
+        for i in range(start, n_hv):
+            objs.extend(host_objects(i))
+        t = time.perf_counter()
+        await asyncio.gather(*(self._create(o) for o in objs))
+        report.create_s = time.perf_counter() - t
+        t = time.perf_counter()
+        await asyncio.gather(*(self._status(o) for o in objs if "status" in o))
+        report.status_s = time.perf_counter() - t
+        report.created = len(objs)
+        await self._set_marker(n_hv)
+        return report
+
+    async def clear_allocations(self, names: Iterable[str]) -> None:
+        """Remove the allocations of these Reservations (so repeated runs write alike)."""
+        body = {"spec": {"committedResourceReservation": {"allocations": None}}}
+        await asyncio.gather(
+            *(self.call("PATCH", self.url("reservations", n), body, MERGE) for n in names)
+        )
+
+
+# --------------------------------------------------------------------------- the service
+
+
+class Timed:
+    """Wraps ``Processor.process`` (class-level, bench-only) to time every call.
+
+    ``spans`` holds (start, end) perf_counter pairs of each call: the time from the
+    consume loop handing the record to the processor until its outcome record exists
+    (decode, snapshot, classify, any patch, encode, log line). ``first`` is the start of
+    the first call.
+    """
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float]] = []
+        self._orig: Any = None
+
+    def install(self) -> None:
+        orig = self._orig = Processor.process
+        spans = self.spans
+
+        async def process(self_: Processor, *args: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return await orig(self_, *args, **kw)
+            finally:
+                spans.append((t, time.perf_counter()))
+
+        Processor.process = process  # type: ignore[method-assign]
+
+    def uninstall(self) -> None:
+        if self._orig is not None:
+            Processor.process = self._orig  # type: ignore[method-assign]
+
+    @property
+    def first(self) -> float:
+        return self.spans[0][0] if self.spans else float("inf")
+
+
+def service_config(
+    bootstrap: str, kubeconfig: str, topics: dict[str, str], tag: str, **extra: str
+) -> Config:
+    """The service's configuration for a run: defaults (watch mode, exactly-once, batch
+    500) except the topics, a fresh group and transactional id, and any port."""
+    fresh = f"{tag}-{uuid.uuid4().hex[:8]}"
+    env = {
+        "KAFKA_BOOTSTRAP_SERVERS": bootstrap,
+        "KUBECONFIG": kubeconfig,
+        "CRS_INPUT_TOPIC": topics["input"],
+        "CRS_OUTPUT_TOPIC": topics["output"],
+        "CRS_DLQ_TOPIC": topics["dlq"],
+        "CRS_GROUP_ID": f"g-{fresh}",
+        "CRS_TRANSACTIONAL_ID": f"tx-{fresh}",
+        "CRS_HTTP_PORT": "0",
+        "CRS_K8S_READ_MODE": "watch",
+        "CRS_EXACTLY_ONCE": "true",
+        **extra,
+    }
+    return Config.load(env=env)
+
+
+@contextlib.asynccontextmanager
+async def running_service(cfg: Config) -> AsyncIterator[tuple[Runtime, float]]:
+    """Runtime in-process, consume loop running; yields (runtime, time the cache synced)."""
+    runtime = Runtime(cfg)
+    await runtime.start()
+    task = asyncio.create_task(runtime.run())
+    try:
+        await runtime.state.wait_synced()
+        yield runtime, time.perf_counter()
+    finally:
+        runtime.request_stop()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 60)
+        await runtime.stop()
+
+
+async def wait_processed(runtime: Runtime, n: int, timeout_s: float) -> float:
+    """Wait until ``n`` events are committed; returns the perf_counter time it happened."""
+    assert runtime.stream is not None
+    deadline = time.monotonic() + timeout_s
+    while runtime.stream.processed < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{runtime.stream.processed}/{n} processed in {timeout_s}s")
+        await asyncio.sleep(0.005)
+    return time.perf_counter()
+
+
+def k8s_reads(runtime: Runtime) -> dict[str, float]:
+    """``crs_k8s_requests_total`` summed by verb (from the service's own registry)."""
+    out: dict[str, float] = {}
+    for family in runtime.metrics.registry.collect():
+        for s in family.samples:
+            if s.name == "crs_k8s_requests_total":
+                out[s.labels["verb"]] = out.get(s.labels["verb"], 0.0) + s.value
+    return out
+
+
+def sample_sum(runtime: Runtime, name: str) -> float:
+    return sum(
+        float(s.value)
+        for family in runtime.metrics.registry.collect()
+        for s in family.samples
+        if s.name == name
+    )
