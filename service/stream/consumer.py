@@ -196,14 +196,13 @@ class StreamService:
 
     async def run(self) -> None:
         assert self._consumer is not None, "start() first"
-        consumer = self._consumer
         while not self._stopping.is_set():
             self.last_loop = self._clock()
             self._resume_due()
             timeout = self._s.poll_timeout_ms
             if self._resume_at:
                 timeout = min(timeout, 100)
-            batch = await consumer.getmany(timeout_ms=timeout, max_records=self._s.max_batch)
+            batch = await self._fetch(timeout)
             if batch:
                 self._idle.clear()
                 try:
@@ -211,6 +210,30 @@ class StreamService:
                 finally:
                     self._idle.set()
             await self._update_lag()
+
+    async def _fetch(self, timeout_ms: int) -> dict[TopicPartition, list[ConsumerRecord]]:
+        """One batch of at most ``max_batch`` records, shared fairly among partitions.
+
+        aiokafka fills ``getmany(max_records=N)`` partition by partition from its fetch
+        buffers, so with a few hundred records buffered per partition a batch covered one
+        or two partitions and the rest waited: no concurrency across partitions. Each
+        partition gets an equal share instead; the first call waits for data, the others
+        take what is already buffered.
+        """
+        assert self._consumer is not None
+        consumer = self._consumer
+        paused = consumer.paused()
+        active = [tp for tp in consumer.assignment() if tp not in paused]
+        share = max(1, self._s.max_batch // max(1, len(active)))
+        batch: dict[TopicPartition, list[ConsumerRecord]] = await consumer.getmany(
+            timeout_ms=timeout_ms, max_records=share
+        )
+        if batch:
+            for tp in active:
+                if tp not in batch:
+                    more = await consumer.getmany(tp, timeout_ms=0, max_records=share)
+                    batch.update(more)
+        return batch
 
     async def _process_batch(self, batch: dict[TopicPartition, list[ConsumerRecord]]) -> None:
         self._revoked_in_batch.clear()

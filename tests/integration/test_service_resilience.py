@@ -336,3 +336,40 @@ async def test_kafka_produce_failure_replays_the_batch_until_it_commits(
     finally:
         await admin.delete_topics([topics["output"]])
         await admin.close()
+
+
+async def test_a_batch_spreads_over_every_partition_with_data(
+    devstack: DevStack, clean_k8s: Any, new_topic: Any
+) -> None:
+    """Partitions are processed concurrently only if a batch holds several of them:
+    with a backlog on every partition, each batch takes a share of each."""
+    hosts = await seed_capacity(clean_k8s)
+    topics = await service_topics(new_topic)
+    records, _ = placements(hosts, 160)
+    await e2e.publish(devstack.kafka_bootstrap, topics["input"], records)
+    cfg = e2e.config(devstack, topics, CRS_MAX_BATCH="40")
+    runtime = Runtime(cfg)
+    await runtime.start()
+    assert runtime.stream is not None
+    stream = runtime.stream
+    widths: list[int] = []
+    original = stream._process_batch
+
+    async def recording(batch: Any) -> None:
+        widths.append(len(batch))
+        assert sum(len(r) for r in batch.values()) <= 40  # the in-flight bound holds
+        await original(batch)
+
+    stream._process_batch = recording  # type: ignore[method-assign]
+    task = asyncio.create_task(runtime.run())
+    try:
+
+        async def all_done() -> bool:
+            return stream.processed >= len(records)
+
+        await wait_for(all_done, 90, "the backlog to drain")
+    finally:
+        runtime.request_stop()
+        await asyncio.wait_for(task, 30)
+        await runtime.stop()
+    assert max(widths) >= PARTITIONS - 1, widths  # a single getmany gave 1-2
