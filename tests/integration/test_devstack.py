@@ -188,3 +188,13 @@ def test_missing_prerequisite_is_one_clear_line(tmp_path: Path) -> None:
     assert len(lines) == 1, proc.stderr
     assert "missing prerequisite 'java'" in lines[0]
     assert "apt-get install" in lines[0]
+
+
+def test_up_runs_again_with_its_own_env_sourced(devstack: DevStack) -> None:
+    # `make demo` and users source run/env and may run up again from that shell: no
+    # variable written there may change what up does.
+    env = {**os.environ, **devstack.env}
+    again = subprocess.run(
+        [str(REPO / "devstack" / "up")], capture_output=True, text=True, check=False, env=env
+    )
+    assert again.returncode == 0, again.stderr

@@ -1,0 +1,69 @@
+"""Logs are one JSON object per line, for the service's own lines and for libraries'."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+
+import pytest
+import structlog
+
+from service.app.logs import configure_logging
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    structlog.reset_defaults()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_json_lines_with_context_for_own_and_library_logs(restore_logging: None) -> None:
+    out = io.StringIO()
+    configure_logging("INFO", "json", stream=out)
+    log = structlog.get_logger("test-json").bind(event_id="e-1", partition=3, offset=42)
+    log.info("classified", instance_uuid="vm-1", cr_slot="slot_used")
+    log.debug("not shown at INFO")
+    logging.getLogger("aiokafka.consumer").warning("rebalance %s", "started")
+    logging.getLogger("aiokafka.consumer").info("chatty library line, filtered")
+
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert len(lines) == 2
+    own, lib = lines
+    assert own["event"] == "classified"
+    assert own["level"] == "info"
+    assert (own["event_id"], own["partition"], own["offset"]) == ("e-1", 3, 42)
+    assert own["instance_uuid"] == "vm-1"
+    assert own["timestamp"].endswith("Z")
+    assert lib["event"] == "rebalance started"
+    assert lib["logger"] == "aiokafka.consumer"
+    assert lib["level"] == "warning"
+
+
+def test_exceptions_are_rendered_into_the_json_line(restore_logging: None) -> None:
+    out = io.StringIO()
+    configure_logging("INFO", "json", stream=out)
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        structlog.get_logger("test-exc").exception("dead_letter", code="internal_error")
+    (line,) = out.getvalue().splitlines()
+    record = json.loads(line)
+    assert record["code"] == "internal_error"
+    assert "ValueError: boom" in record["exception"]
+
+
+def test_console_format_is_human_readable(restore_logging: None) -> None:
+    out = io.StringIO()
+    configure_logging("DEBUG", "console", stream=out)
+    structlog.get_logger("test-console").debug("hello", who="operator")
+    text = out.getvalue()
+    assert "hello" in text
+    assert "who=operator" in text
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
