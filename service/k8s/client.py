@@ -245,16 +245,7 @@ class KubeClient:
         Unlike the typed lists it never follows continue tokens, so it costs one round
         trip however many objects exist (``crs-consumer check``).
         """
-        await self._request(
-            "list",
-            kind,
-            "",
-            self._co.list_cluster_custom_object,
-            kind.group,
-            kind.version,
-            kind.plural,
-            limit=1,
-        )
+        await self._list_page(kind, limit=1)
 
     async def get_knowledge(self, name: str = "flavor-groups") -> Knowledge | None:
         """The Knowledge object, None when it does not exist."""
@@ -348,16 +339,7 @@ class KubeClient:
                         kwargs["label_selector"] = label_selector
                     if token:
                         kwargs["_continue"] = token
-                    raw = await self._request(
-                        "list",
-                        kind,
-                        "",
-                        self._co.list_cluster_custom_object,
-                        kind.group,
-                        kind.version,
-                        kind.plural,
-                        **kwargs,
-                    )
+                    raw = await self._list_page(kind, **kwargs)
                     page = self._decode_list(raw, type_, kind)
                     if page.items:
                         items.extend(page.items)
@@ -371,6 +353,19 @@ class KubeClient:
                 _log.warning("list continue token expired, restarting", kind=kind.plural)
 
     # --- plumbing -------------------------------------------------------------------
+
+    async def _list_page(self, kind: ResourceKind, **kwargs: Any) -> bytes:
+        """One LIST request (one page): the raw response body."""
+        return await self._request(
+            "list",
+            kind,
+            "",
+            self._co.list_cluster_custom_object,
+            kind.group,
+            kind.version,
+            kind.plural,
+            **kwargs,
+        )
 
     async def _request(
         self,
