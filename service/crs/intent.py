@@ -12,7 +12,15 @@ from typing import Any, Final
 
 from service.model.nova import ExternalSchedulerRequest
 
-__all__ = ["HINT_KEY", "INTENT_CREATE", "INTENT_UNKNOWN", "derive_intent", "intent_from_hints"]
+__all__ = [
+    "HINT_KEY",
+    "INTENT_CREATE",
+    "INTENT_UNKNOWN",
+    "KNOWN_INTENTS",
+    "derive_intent",
+    "intent_from_hints",
+    "resolve_intent",
+]
 
 HINT_KEY: Final = "_nova_check_type"
 INTENT_CREATE: Final = "create"
@@ -30,6 +38,12 @@ _INTENTS: Final[Mapping[str, str]] = {
 }
 
 
+# Every value an intent label can take; anything else would be unbounded label cardinality.
+KNOWN_INTENTS: Final[frozenset[str]] = frozenset(
+    {INTENT_CREATE, INTENT_UNKNOWN, *_INTENTS.values()}
+)
+
+
 def intent_from_hints(hints: Mapping[str, Any] | None) -> str:
     """Intent from a scheduler-hints mapping (see module doc)."""
     if hints is None:
@@ -45,3 +59,14 @@ def intent_from_hints(hints: Mapping[str, Any] | None) -> str:
 
 def derive_intent(request: ExternalSchedulerRequest) -> str:
     return intent_from_hints(request.spec.data.scheduler_hints)
+
+
+def resolve_intent(given: str | None, request: ExternalSchedulerRequest) -> str:
+    """The intent a producer put in the decision when it is a known one, else derived.
+
+    The decision's intent is the reference controller's (derived the same way); an
+    unknown string is not trusted as a metric label value.
+    """
+    if given in KNOWN_INTENTS:
+        return given
+    return derive_intent(request)

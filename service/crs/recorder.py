@@ -27,7 +27,7 @@ from service.crs.classify import CrSlot, classify_no_host_found, classify_placem
 from service.crs.commitments import active_commitments
 from service.crs.evaluator import is_slot, pick_slot, reservation_remaining_memory
 from service.crs.flavors import FlavorGroupLookupError, FlavorGroups, parse_flavor_groups
-from service.crs.intent import derive_intent
+from service.crs.intent import resolve_intent
 from service.crs.outcome import AllocationStatus, Outcome
 from service.crs.ports import ClusterState, ConflictError, NotFoundError
 from service.model import Decision, ExternalSchedulerRequest, Knowledge, Reservation
@@ -145,7 +145,7 @@ class Recorder:
         target = decision.result.target_host
         if target is None:
             raise ValueError("record_placement needs a decision with a target host")
-        intent = decision.intent or derive_intent(request)
+        intent = resolve_intent(decision.intent, request)
         instance_uuid = request.instance_uuid
         project_id = request.project_id
         flavor_name = request.flavor_name
@@ -369,7 +369,7 @@ class Recorder:
         The skip option does not apply here: the reference controller only consults it
         for placements.
         """
-        intent = decision.intent or derive_intent(request)
+        intent = resolve_intent(decision.intent, request)
         instance_uuid = request.instance_uuid
         project_id = request.project_id
         flavor_name = request.flavor_name

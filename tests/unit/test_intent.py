@@ -89,3 +89,23 @@ def test_real_example_has_no_check_type() -> None:
         doc = yaml.safe_load(f)
     req = from_k8s(doc["spec"]["novaRaw"], ExternalSchedulerRequest)
     assert derive_intent(req) == "Unknown"
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        pytest.param("live_migration", "live_migration", id="known-given-wins"),
+        pytest.param("create", "create", id="create-given"),
+        pytest.param(None, "resize", id="absent-derived"),
+        pytest.param("", "resize", id="empty-derived"),
+        pytest.param("totally-new-op-4711", "resize", id="unknown-derived-not-a-label"),
+    ],
+)
+def test_resolve_intent_trusts_only_known_values(given: str | None, expected: str) -> None:
+    from service.crs.intent import resolve_intent
+
+    request = from_k8s(
+        {"spec": {"nova_object.data": {"scheduler_hints": {"_nova_check_type": "resize"}}}},
+        ExternalSchedulerRequest,
+    )
+    assert resolve_intent(given, request) == expected
