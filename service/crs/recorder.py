@@ -182,72 +182,59 @@ class Recorder:
             log.debug("cr_tracking_skipped")
             return outcome(CrSlot.SKIPPED.value, None)
 
+        # One placement per host at a time in this replica (see _host_lock).
         async with self._host_lock(target):
-            return await self._record_placement(decision, request, target, intent, log, outcome)
+            hosts = [*decision.result.ordered_hosts, target]
+            snapshot = await self._state.snapshot(hosts, project_id)
+            try:
+                match = self._flavor_groups.get(snapshot.knowledge).lookup(flavor_name)
+            except FlavorGroupLookupError as exc:
+                log.error("flavor_group_lookup_failed", flavor=flavor_name, error=str(exc))
+                self._count_placement(UNKNOWN_FLAVOR_GROUP, intent, CrSlot.ERROR.value)
+                return outcome(CrSlot.ERROR.value, UNKNOWN_FLAVOR_GROUP)
+            if match is None:
+                log.debug("payg_placement", flavor=flavor_name)
+                return outcome(CrSlot.PAYG.value, None)
 
-    async def _record_placement(
-        self,
-        decision: Decision,
-        request: ExternalSchedulerRequest,
-        target: str,
-        intent: str,
-        log: structlog.typing.FilteringBoundLogger,
-        outcome: Callable[..., Outcome],
-    ) -> Outcome:
-        project_id = request.project_id
-        flavor_name = request.flavor_name
-        instance_uuid = request.instance_uuid
-        hosts = [*decision.result.ordered_hosts, target]
-        snapshot = await self._state.snapshot(hosts, project_id)
-        try:
-            match = self._flavor_groups.get(snapshot.knowledge).lookup(flavor_name)
-        except FlavorGroupLookupError as exc:
-            log.error("flavor_group_lookup_failed", flavor=flavor_name, error=str(exc))
-            self._count_placement(UNKNOWN_FLAVOR_GROUP, intent, CrSlot.ERROR.value)
-            return outcome(CrSlot.ERROR.value, UNKNOWN_FLAVOR_GROUP)
-        if match is None:
-            log.debug("payg_placement", flavor=flavor_name)
-            return outcome(CrSlot.PAYG.value, None)
+            group = match.group
+            vm_mem = match.vm_memory_bytes
+            evaluator = snapshot.evaluator
+            active = active_commitments(snapshot.committed_resources, project_id, group)
+            cr_slot = classify_placement(
+                evaluator, active, decision.result.ordered_hosts, project_id, group
+            )
+            log = log.bind(flavor_group=group, cr_slot=cr_slot)
+            log.debug("placement_classified")
+            if cr_slot != CrSlot.SLOT_USED.value:
+                self._count_placement(group, intent, cr_slot)
+                return outcome(cr_slot, group, vm_memory_bytes=vm_mem)
 
-        group = match.group
-        vm_mem = match.vm_memory_bytes
-        evaluator = snapshot.evaluator
-        active = active_commitments(snapshot.committed_resources, project_id, group)
-        cr_slot = classify_placement(
-            evaluator, active, decision.result.ordered_hosts, project_id, group
-        )
-        log = log.bind(flavor_group=group, cr_slot=cr_slot)
-        log.debug("placement_classified")
-        if cr_slot != CrSlot.SLOT_USED.value:
+            allocation: dict[str, object] = {
+                "creationTimestamp": rfc3339(self._clock()),
+                "resources": {"memory": format_binary_si(vm_mem), "cpu": str(match.vcpus)},
+            }
+            status, reservation, conflicts = await self._claim_slot(
+                evaluator.slots_for_host(target, project_id, group),
+                target=target,
+                project_id=project_id,
+                flavor_group=group,
+                instance_uuid=instance_uuid,
+                vm_mem=vm_mem,
+                allocation=allocation,
+                log=log,
+            )
+            # Counted once the write is settled (the reference counts just before it): a
+            # write that fails with an outage makes the caller retry the event, and counting
+            # first would count that event once per attempt.
             self._count_placement(group, intent, cr_slot)
-            return outcome(cr_slot, group, vm_memory_bytes=vm_mem)
-
-        allocation: dict[str, object] = {
-            "creationTimestamp": rfc3339(self._clock()),
-            "resources": {"memory": format_binary_si(vm_mem), "cpu": str(match.vcpus)},
-        }
-        status, reservation, conflicts = await self._claim_slot(
-            evaluator.slots_for_host(target, project_id, group),
-            target=target,
-            project_id=project_id,
-            flavor_group=group,
-            instance_uuid=instance_uuid,
-            vm_mem=vm_mem,
-            allocation=allocation,
-            log=log,
-        )
-        # Counted once the write is settled (the reference counts just before it): a
-        # write that fails with an outage makes the caller retry the event, and counting
-        # first would count that event once per attempt.
-        self._count_placement(group, intent, cr_slot)
-        return outcome(
-            cr_slot,
-            group,
-            reservation=reservation,
-            allocation=status,
-            vm_memory_bytes=vm_mem,
-            conflicts=conflicts,
-        )
+            return outcome(
+                cr_slot,
+                group,
+                reservation=reservation,
+                allocation=status,
+                vm_memory_bytes=vm_mem,
+                conflicts=conflicts,
+            )
 
     async def _claim_slot(
         self,

@@ -97,7 +97,7 @@ class Processor:
         bound = bound.bind(event_id=event.id, instance_uuid=request.instance_uuid)
         try:
             outcome = await self._recorder.record(event.data.decision, request)
-            value = encode_output(event, ref, outcome)
+            encoded = encode_output(event, ref, outcome)
         except ApiError as exc:
             # 401/403 is a deployment problem (RBAC, credentials) that an operator fixes:
             # the events wait, paused, instead of all going to the dead-letter topic.
@@ -130,7 +130,7 @@ class Processor:
         return OutRecord(
             topic=self._output_topic,
             key=request.instance_uuid.encode() or key,
-            value=value,
+            value=encoded,
             headers=[("content-type", b"application/cloudevents+json")],
         )
 
