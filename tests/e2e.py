@@ -137,7 +137,6 @@ def config(devstack: DevStack, topics: dict[str, str], **settings: str) -> Confi
         "CRS_OUTPUT_TOPIC": topics["output"],
         "CRS_DLQ_TOPIC": topics["dlq"],
         "CRS_GROUP_ID": f"g-{topics['input']}",
-        "CRS_TRANSACTIONAL_ID": f"tx-{topics['input']}",
         "CRS_HTTP_PORT": "0",
         "CRS_RETRY_BACKOFF_S": "0.1",
         "CRS_RETRY_BACKOFF_MAX_S": "0.5",

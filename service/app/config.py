@@ -106,10 +106,26 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("dlq_topic", "CRS_DLQ_TOPIC", "nova.scheduling-outcomes.dlq", _nonempty,
             "Dead-letter topic for events that cannot be processed"),
     Setting("group_id", "CRS_GROUP_ID", "cortex-crs-consumer", _nonempty, "Kafka consumer group"),
-    Setting("transactional_id", "CRS_TRANSACTIONAL_ID", None, _nonempty,
-            "Kafka transactional.id (default: <group>-<hostname>); stable per replica"),
     Setting("exactly_once", "CRS_EXACTLY_ONCE", "true", _bool,
             "Commit outputs and input offsets in one Kafka transaction"),
+    # --- stream engine (issue 11)
+    Setting("transactional_id_prefix", "CRS_TRANSACTIONAL_ID_PREFIX", None, _nonempty,
+            "Prefix of the per-partition transactional.id <prefix>-<topic>-<partition> "
+            "(default: the group id); the prefix of the TransactionalId ACL"),
+    Setting("max_in_flight", "CRS_MAX_IN_FLIGHT", "500", _positive_int,
+            "Records of one partition received but not committed before it is paused"),
+    Setting("key_concurrency", "CRS_KEY_CONCURRENCY", "64", _positive_int,
+            "Records with different keys processed at once per partition"),
+    Setting("commit_interval_ms", "CRS_COMMIT_INTERVAL_MS", "20", _positive_int,
+            "Longest time a decided record waits for its partition's next commit"),
+    Setting("commit_max_records", "CRS_COMMIT_MAX_RECORDS", "500", _positive_int,
+            "A partition commits at once when this many decided records wait"),
+    Setting("revoke_wait_s", "CRS_REVOKE_WAIT_S", "15", _positive_float,
+            "On revoke or stop, how long records in progress may finish before handover"),
+    Setting("session_timeout_ms", "CRS_SESSION_TIMEOUT_MS", "10000", _positive_int,
+            "Kafka consumer group session timeout"),
+    Setting("conflict_timeout_s", "CRS_CONFLICT_TIMEOUT_S", "30", _positive_float,
+            "How long a placement keeps re-deciding after 409 conflicts before 'failed'"),
     Setting("max_event_bytes", "CRS_MAX_EVENT_BYTES", "1048576", _positive_int,
             "Larger input events are dead-lettered unread"),
     Setting("max_attempts", "CRS_MAX_ATTEMPTS", "20", _positive_int,
@@ -120,7 +136,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("retry_backoff_max_s", "CRS_RETRY_BACKOFF_MAX_S", "30", _positive_float,
             "Cap of the retry delay"),
     Setting("max_batch", "CRS_MAX_BATCH", "500", _positive_int,
-            "Most records fetched and in flight at once (backpressure)"),
+            "Most records fetched per poll"),
     Setting("k8s_read_mode", "CRS_K8S_READ_MODE", "watch", _choice("watch", "list"),
             "watch: informer cache, no API reads per event; list: read per event"),
     Setting("k8s_timeout_s", "CRS_K8S_TIMEOUT_S", "10", _positive_float,
@@ -150,8 +166,15 @@ class Config:
     output_topic: str
     dlq_topic: str
     group_id: str
-    transactional_id: str | None
     exactly_once: bool
+    transactional_id_prefix: str | None
+    max_in_flight: int
+    key_concurrency: int
+    commit_interval_ms: int
+    commit_max_records: int
+    revoke_wait_s: float
+    session_timeout_ms: int
+    conflict_timeout_s: float
     max_event_bytes: int
     max_attempts: int
     retry_backoff_s: float
@@ -209,8 +232,9 @@ class Config:
         if self.retry_backoff_max_s < self.retry_backoff_s:
             raise ConfigError("CRS_RETRY_BACKOFF_MAX_S must be >= CRS_RETRY_BACKOFF_S")
 
-    def effective_transactional_id(self, hostname: str) -> str:
-        return self.transactional_id or f"{self.group_id}-{hostname}"
+    @property
+    def effective_transactional_id_prefix(self) -> str:
+        return self.transactional_id_prefix or self.group_id
 
     def kafka_client_args(self) -> dict[str, Any]:
         """Connection settings shared by the consumer, producers and admin client."""

@@ -207,7 +207,6 @@ async def demo(config: Config, *, events: int = 300, rng_seed: int = 7) -> int:
         output_topic=f"crs-demo-{run_id}.classifications",
         dlq_topic=f"crs-demo-{run_id}.dlq",
         group_id=f"crs-demo-{run_id}",
-        transactional_id=f"crs-demo-{run_id}",
         max_event_bytes=scenario.DEMO_MAX_EVENT_BYTES,
         log_level="WARNING",
     )

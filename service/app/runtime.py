@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import socket
 import time
 from typing import Any
 
@@ -58,6 +57,7 @@ class Runtime:
             self.state,
             placement_counter=self.metrics.placement,
             no_host_found_counter=self.metrics.no_host_found,
+            conflict_timeout_s=c.conflict_timeout_s,
         )
         processor = Processor(
             recorder,
@@ -71,11 +71,17 @@ class Runtime:
             input_topic=c.input_topic,
             group_id=c.group_id,
             exactly_once=c.exactly_once,
-            transactional_id=c.effective_transactional_id(socket.gethostname()),
+            transactional_id_prefix=c.effective_transactional_id_prefix,
             max_batch=c.max_batch,
+            max_in_flight=c.max_in_flight,
+            key_concurrency=c.key_concurrency,
+            commit_interval_ms=c.commit_interval_ms,
+            commit_max_records=c.commit_max_records,
             retry_backoff_s=c.retry_backoff_s,
             retry_backoff_max_s=c.retry_backoff_max_s,
+            revoke_wait_s=c.revoke_wait_s,
             client_args=c.kafka_client_args(),
+            consumer_args={"session_timeout_ms": c.session_timeout_ms},
         )
         self.stream = StreamService(settings, processor, self.metrics)
         self.http = HttpServer(
@@ -142,6 +148,11 @@ class Runtime:
             ok, detail = await self._k8s_reachable()
             if not ok:
                 return False, detail
+        stalled = self.stream.stalled()
+        if stalled:
+            tp, why = next(iter(stalled.items()))
+            where = f"{tp.topic}[{tp.partition}]"
+            return False, f"{len(stalled)} partition(s) stalled, e.g. {where}: {why}"
         parts = len(self.stream.assignment)
         return True, f"{parts} partitions assigned" if parts else "waiting for assignment"
 

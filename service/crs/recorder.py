@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
@@ -89,11 +90,15 @@ class Recorder:
     """Classifies Nova scheduling outcomes against committed resources and records them.
 
     ``placement_counter`` / ``no_host_found_counter`` are the counters from
-    :mod:`service.crs.metrics` (or None to count nothing). ``max_conflict_retries`` is the
-    number of re-decisions after a 409/404 on the slot write; between them the Recorder
-    waits ``backoff_s`` plus up to ``jitter`` times that (the reference's
-    ``retry.DefaultRetry``: 10 ms steps, 10 % jitter). ``clock`` supplies the allocation's
-    creationTimestamp (UTC ``datetime``).
+    :mod:`service.crs.metrics` (or None to count nothing). After a 409/404 on the slot
+    write the Recorder re-reads and re-decides until the placement is decided (written,
+    already present, no slot): a conflict means another writer made progress, so giving
+    up after a few quick tries (the reference's ``retry.DefaultRetry``: 5 x 10 ms) would
+    record ``failed`` for placements that simply lost a race in a storm. The bound is
+    time, ``conflict_timeout_s``; ``max_conflict_retries`` optionally bounds the count
+    too. Between rounds it waits ``backoff_s`` doubling per conflict up to
+    ``backoff_max_s``, plus up to ``jitter`` times that, so racing replicas spread out.
+    ``clock`` supplies the allocation's creationTimestamp (UTC ``datetime``).
     """
 
     def __init__(
@@ -103,19 +108,25 @@ class Recorder:
         no_host_found_counter: _Counter | None = None,
         *,
         serialize_per_host: bool = True,
-        max_conflict_retries: int = 5,
+        max_conflict_retries: int | None = None,
+        conflict_timeout_s: float = 30.0,
         backoff_s: float = 0.01,
-        jitter: float = 0.1,
+        backoff_max_s: float = 0.5,
+        jitter: float = 0.5,
         clock: Callable[[], datetime] | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
-        if max_conflict_retries < 0:
+        if max_conflict_retries is not None and max_conflict_retries < 0:
             raise ValueError("max_conflict_retries must be >= 0")
         self._state = state
         self._placement_counter = placement_counter
         self._no_host_found_counter = no_host_found_counter
         self._max_conflict_retries = max_conflict_retries
+        self._conflict_timeout_s = conflict_timeout_s
         self._backoff_s = backoff_s
+        self._backoff_max_s = backoff_max_s
         self._jitter = jitter
+        self._monotonic = monotonic
         self._clock = clock or _utc_now
         self._random = random.Random()
         self._flavor_groups = _FlavorGroupsMemo()
@@ -254,6 +265,7 @@ class Recorder:
         """
         current = list(slots)
         conflicts = 0
+        deadline = self._monotonic() + self._conflict_timeout_s
         while True:
             for slot in current:
                 crr = slot.spec.committed_resource_reservation
@@ -270,7 +282,11 @@ class Recorder:
             except (ConflictError, NotFoundError) as exc:
                 conflicts += 1
                 gone = isinstance(exc, NotFoundError)
-                if conflicts > self._max_conflict_retries:
+                exhausted = self._monotonic() >= deadline or (
+                    self._max_conflict_retries is not None
+                    and conflicts > self._max_conflict_retries
+                )
+                if exhausted:
                     log.error(
                         "allocation_conflicts_exhausted",
                         reservation=name,
@@ -279,7 +295,7 @@ class Recorder:
                     )
                     return AllocationStatus.FAILED, name, conflicts
                 log.info("allocation_conflict", reservation=name, gone=gone, conflicts=conflicts)
-                await asyncio.sleep(self._backoff())
+                await asyncio.sleep(self._backoff(conflicts))
                 current = await self._refresh(
                     current, name, target=target, project_id=project_id, flavor_group=flavor_group
                 )
@@ -337,8 +353,9 @@ class Recorder:
             lock = self._host_locks[host] = asyncio.Lock()
         return lock
 
-    def _backoff(self) -> float:
-        return self._backoff_s * (1.0 + self._jitter * self._random.random())
+    def _backoff(self, conflicts: int) -> float:
+        base = min(self._backoff_s * 2.0 ** min(conflicts - 1, 16), self._backoff_max_s)
+        return base * (1.0 + self._jitter * self._random.random())
 
     def _count_placement(self, flavor_group: str, intent: str, cr_slot: str) -> None:
         if self._placement_counter is not None:

@@ -1,46 +1,89 @@
-"""The consume-decide-produce loop.
+"""The consume-decide-produce engine.
 
-Design, in the order the pitfalls of Python Kafka consumers taught it:
+Design, in the order the failures of the first engine taught it (issue 11):
 
-* Records are fetched in batches (``getmany`` with ``max_records``): the batch size is the
-  bound on in-flight events (backpressure). Within a batch, partitions run concurrently
-  and each partition's records run in offset order.
-* Exactly-once on the Kafka side: a batch's outputs (classifications and dead letters)
-  and its input offsets are committed in one transaction. The offsets are added before
-  the records (aiokafka#1004). The Kubernetes write is idempotent (the UUID check), so a
-  batch replayed after a crash writes nothing twice. Without exactly-once, the offsets are
-  committed only after every output is acknowledged (at-least-once).
-* A retryable failure stops its partition at that offset: the batch commits what came
-  before it, the partition is rewound to the failed record and paused for a capped
-  exponential back-off, and the other partitions keep going. Nothing is skipped; after
-  ``max_attempts`` the processor dead-letters the event.
-* Work per poll is bounded in time (``partition_budget_s``), so a slow cluster cannot hold
-  the loop past ``max.poll.interval.ms`` and trigger a rebalance storm (aiokafka#848).
-* On revoke, the listener waits (bounded) for the batch in progress to commit, so the
-  partitions are handed over with their offsets committed (faust#133).
-* The lag series of a revoked partition is removed (faust PR #610).
+* **Fencing by partition.** Every assigned input partition has its own transactional
+  producer, ``transactional.id = <prefix>-<topic>-<partition>`` (Kafka Streams' first
+  exactly-once mode, Faust). It is initialised when the partition is taken over, *before*
+  the partition's committed offset is read: ``InitProducerId`` aborts (or completes) a
+  previous owner's open transaction and bumps the epoch, so a paused replica that wakes up
+  can no longer commit (it gets ``ProducerFenced`` and drops its work quietly), and the new
+  owner starts from offsets that already include whatever the old owner did commit.
+  aiokafka cannot send group-aware offset commits (KIP-447), so this is the fence.
+* **No batch barrier.** Each partition commits on its own, in its own transaction, when
+  ``commit_max_records`` outputs are waiting or the oldest has waited
+  ``commit_interval_ms``. A partition blocked on the Kubernetes API delays no other.
+* **Key-level concurrency** (Confluent's Parallel Consumer): inside a partition, records
+  with different keys run concurrently (up to ``key_concurrency``), records with the same
+  key in offset order. The key is the record key; a record without one is keyed by the
+  event's instance UUID (decoded once more for that), so per-VM order holds either way.
+  Because records finish out of order, a commit writes the lowest open offset as the
+  committed offset and lists what is done above it in the offset metadata
+  (:mod:`service.stream.ledger`): an event completed behind a stuck one is committed at
+  once and never processed twice.
+* **Backpressure.** A partition with ``max_in_flight`` records received but not committed
+  is paused at the consumer and resumed below half of it; fetching never stops for the
+  others.
+* **Failures.** An event the cluster cannot take now (RetryLater) waits in its key's lane
+  with capped exponential back-off; other keys go on. A failed commit never retries as if
+  nothing happened: the partition is *re-acquired* (new producer, fence, read the
+  committed offset, seek, reprocess), which the Kubernetes write's idempotency makes
+  harmless. A record the broker rejects as too large is replaced by a stub dead letter;
+  an authorisation failure marks the partition stalled (metric, readiness) and re-tries
+  at the back-off cap. ``ProducerFenced`` means another member owns the partition now:
+  its work is dropped, nothing is re-initialised until the group says it is still ours.
+* **Counted once.** Counters advance when the transaction that publishes the outcome
+  commits (:mod:`service.stream.deferred`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
-from aiokafka.errors import KafkaError, ProducerFenced
-from aiokafka.structs import ConsumerRecord, TopicPartition
+from aiokafka.errors import (
+    CorruptRecordException,
+    GroupAuthorizationFailedError,
+    MessageSizeTooLargeError,
+    ProducerFenced,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+    TopicAuthorizationFailedError,
+    TransactionalIdAuthorizationFailed,
+)
+from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
-from service.stream.codec import InputRef
+from service.stream import deferred
+from service.stream.codec import InputRef, dead_letter_headers, decode_input
+from service.stream.ledger import CommitPlan, Ledger
 from service.stream.metrics import StreamMetrics
 from service.stream.processor import OutRecord, Processor, RetryLater
 
-__all__ = ["StreamService", "StreamSettings"]
+__all__ = ["StreamService", "StreamSettings", "transactional_id_for"]
 
 log = structlog.get_logger(__name__)
+
+_TOO_LARGE = (MessageSizeTooLargeError, RecordTooLargeError, RecordListTooLargeError)
+_INVALID = (CorruptRecordException,)
+_AUTHZ = (
+    TopicAuthorizationFailedError,
+    GroupAuthorizationFailedError,
+    TransactionalIdAuthorizationFailed,
+)
+
+
+def transactional_id_for(prefix: str, tp: TopicPartition) -> str:
+    """The transactional.id bound to input partition ``tp`` (the ACL prefix is ``prefix``)."""
+    return f"{prefix}-{tp.topic}-{tp.partition}"
 
 
 @dataclass(frozen=True)
@@ -48,26 +91,62 @@ class StreamSettings:
     input_topic: str
     group_id: str
     exactly_once: bool = True
-    transactional_id: str | None = None
-    max_batch: int = 500
+    # transactional.id = <prefix>-<topic>-<partition>; default: the group id.
+    transactional_id_prefix: str | None = None
+    max_batch: int = 500  # records per fetch
+    max_in_flight: int = 500  # per partition, received but not committed
+    key_concurrency: int = 64  # per partition, keys processed at once
+    commit_interval_ms: int = 20
+    commit_max_records: int = 500
     retry_backoff_s: float = 0.5
     retry_backoff_max_s: float = 30.0
-    # The revoke wait must outlast a batch (its budget plus one slow Kubernetes call), or
-    # a slow batch would still be running when its partitions move.
-    partition_budget_s: float = 20.0
-    revoke_wait_s: float = 45.0
+    revoke_wait_s: float = 15.0
+    fence_recheck_s: float = 15.0
+    commit_timeout_s: float = 30.0
     poll_timeout_ms: int = 500
     client_args: dict[str, Any] = field(default_factory=dict)
     consumer_args: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def prefix(self) -> str:
+        return self.transactional_id_prefix or self.group_id
 
-@dataclass
-class _PartitionResult:
-    tp: TopicPartition
-    out: list[OutRecord]
-    next_offset: int | None  # the offset to commit (last done + 1); None: nothing done
-    rewind_to: int | None = None  # stopped early: seek here before the next poll
-    retry: RetryLater | None = None
+
+@dataclass(slots=True)
+class _Done:
+    """A decided record: what its commit publishes and what it counts."""
+
+    out: OutRecord
+    counts: deferred.Increments
+
+
+class _Rejected(Exception):
+    """The broker refused some records of a commit; ``offsets`` are their inputs."""
+
+    def __init__(self, offsets: list[int], error: BaseException) -> None:
+        super().__init__(f"{len(offsets)} record(s) rejected: {error!r}")
+        self.offsets = offsets
+        self.error = error
+
+
+class _Partition:
+    """One owned input partition: its producer, ledger, key lanes and committer."""
+
+    def __init__(self, tp: TopicPartition, producer: Any, ledger: Ledger[_Done]) -> None:
+        self.tp = tp
+        self.producer = producer
+        self.ledger = ledger
+        self.lanes: dict[bytes, deque[ConsumerRecord]] = {}
+        self.ready: deque[bytes] = deque()  # lanes waiting for a concurrency slot
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.wake = asyncio.Event()
+        self.oldest_done: float | None = None
+        self.committer: asyncio.Task[None] | None = None
+        self.draining = False  # no new records start (revoke, stop)
+        self.closed = False  # dropped: nothing of it may be committed any more
+        self.released = False  # its tasks and producer are gone
+        self.backpressured = False
+        self.committing = False
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -78,11 +157,11 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
         await self._service._on_revoked(list(revoked))
 
     async def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
-        self._service._on_assigned(list(assigned))
+        await self._service._on_assigned(list(assigned))
 
 
 class StreamService:
-    """Runs the loop until :meth:`request_stop`; then commits, leaves the group, returns."""
+    """Runs the engine until :meth:`request_stop`; then commits, leaves the group, returns."""
 
     def __init__(
         self,
@@ -91,22 +170,28 @@ class StreamService:
         metrics: StreamMetrics,
         *,
         clock: Callable[[], float] = time.monotonic,
+        consumer_factory: Callable[..., Any] = AIOKafkaConsumer,
+        producer_factory: Callable[..., Any] = AIOKafkaProducer,
     ) -> None:
         self._s = settings
         self._processor = processor
         self._metrics = metrics
         self._clock = clock
-        self._consumer: AIOKafkaConsumer | None = None
-        self._producer: AIOKafkaProducer | None = None
-        self._stopping = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._attempts: dict[tuple[TopicPartition, int], int] = {}
-        self._resume_at: dict[TopicPartition, float] = {}
+        self._consumer_factory = consumer_factory
+        self._producer_factory = producer_factory
+        self._consumer: Any = None
+        self._shared_producer: Any = None  # at-least-once mode: one idempotent producer
+        self._parts: dict[TopicPartition, _Partition] = {}
+        self._acquiring: dict[TopicPartition, asyncio.Task[None]] = {}
         self._assigned: set[TopicPartition] = set()
-        self._positions: dict[TopicPartition, int] = {}
-        self._commit_failures = 0
-        self._revoked_in_batch: set[TopicPartition] = set()
+        self._committed: dict[TopicPartition, int] = {}
+        self._stalled: dict[TopicPartition, str] = {}
+        self._failures: dict[TopicPartition, int] = {}
+        # Offsets whose output the broker refused as too large: replaced by a stub dead
+        # letter from then on, across re-acquisitions (reprocessing would refuse again).
+        self._oversized: dict[TopicPartition, set[int]] = {}
+        self._stopping = asyncio.Event()
+        self._background: set[asyncio.Task[Any]] = set()
         self.started = False
         self.last_loop = clock()
         self.processed = 0
@@ -115,7 +200,7 @@ class StreamService:
 
     async def start(self) -> None:
         s = self._s
-        self._consumer = AIOKafkaConsumer(
+        self._consumer = self._consumer_factory(
             **s.client_args,
             group_id=s.group_id,
             enable_auto_commit=False,
@@ -124,57 +209,26 @@ class StreamService:
             max_poll_records=s.max_batch,
             **s.consumer_args,
         )
-        self._producer = await self._start_producer()
+        if not s.exactly_once:
+            self._shared_producer = self._producer_factory(
+                **s.client_args, enable_idempotence=True, acks="all"
+            )
+            await self._shared_producer.start()
         try:
             await self._consumer.start()
         except BaseException:
-            await self._producer.stop()
+            if self._shared_producer is not None:
+                await self._shared_producer.stop()
             raise
         self._consumer.subscribe([s.input_topic], listener=_Listener(self))
         self.started = True
-        log.info("consumer_started", topic=s.input_topic, group=s.group_id, eos=s.exactly_once)
-
-    async def _start_producer(self) -> AIOKafkaProducer:
-        s = self._s
-        producer_args: dict[str, Any] = dict(s.client_args)
-        if s.exactly_once:
-            producer_args["transactional_id"] = s.transactional_id
-        else:
-            producer_args["enable_idempotence"] = True
-            producer_args["acks"] = "all"
-        producer = AIOKafkaProducer(**producer_args)
-        await producer.start()
-        return producer
-
-    async def _replace_producer(self) -> None:
-        """A fresh producer after a failed commit.
-
-        After a rejected batch aiokafka keeps the producer's sequence numbers, and every
-        later transaction fails with OutOfOrderSequenceNumber (it lacks the Java client's
-        epoch bump, KIP-360). Re-initialising under the same transactional.id fences the
-        old instance, aborts whatever it left open and starts the sequences afresh.
-        """
-        old = self._producer
-        if old is not None:
-            try:
-                await old.stop()
-            except Exception as exc:  # a broken producer may fail to close; it is discarded
-                log.warning("producer_close_failed", error=str(exc))
-        self._producer = None
-        attempt = 0
-        while True:
-            try:
-                self._producer = await self._start_producer()
-                return
-            except ProducerFenced:
-                raise
-            except KafkaError as exc:  # the brokers may be down: wait, do not crash-loop
-                attempt += 1
-                delay = self._backoff(attempt)
-                log.warning("producer_restart_failed", error=str(exc), retry_in_s=delay)
-                if self._stopping.is_set():
-                    raise
-                await asyncio.sleep(delay)
+        log.info(
+            "consumer_started",
+            topic=s.input_topic,
+            group=s.group_id,
+            eos=s.exactly_once,
+            transactional_id_prefix=s.prefix if s.exactly_once else None,
+        )
 
     def request_stop(self) -> None:
         self._stopping.set()
@@ -184,221 +238,527 @@ class StreamService:
         return self._stopping.is_set()
 
     async def close(self) -> None:
-        """Leave the group and flush; safe to call after a failed start."""
+        """Commit what is done, close the producers, leave the group; safe after a failed start."""
+        await self._release(list(self._parts), wait_s=0.0)
+        for task in list(self._background):
+            task.cancel()
         if self._consumer is not None:
-            await self._consumer.stop()  # sends LeaveGroup: partitions move at once
-        if self._producer is not None:
-            await self._producer.stop()
+            with contextlib.suppress(Exception):
+                await self._consumer.stop()  # LeaveGroup: partitions move at once
+        if self._shared_producer is not None:
+            with contextlib.suppress(Exception):
+                await self._shared_producer.stop()
         self.started = False
         log.info("consumer_stopped", processed=self.processed)
 
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ the fetch loop
 
     async def run(self) -> None:
         assert self._consumer is not None, "start() first"
+        consumer = self._consumer
         while not self._stopping.is_set():
             self.last_loop = self._clock()
-            self._resume_due()
-            timeout = self._s.poll_timeout_ms
-            if self._resume_at:
-                timeout = min(timeout, 100)
-            batch = await self._fetch(timeout)
-            if batch:
-                self._idle.clear()
-                try:
-                    await self._process_batch(batch)
-                finally:
-                    self._idle.set()
-            await self._update_lag()
+            batch: dict[TopicPartition, list[ConsumerRecord]] = await consumer.getmany(
+                timeout_ms=self._s.poll_timeout_ms, max_records=self._s.max_batch
+            )
+            for tp, records in batch.items():
+                part = self._parts.get(tp)
+                if part is None or part.draining or part.closed:
+                    # Not (yet) ours to process: acquiring seeks back to the committed
+                    # offset before it takes records, so nothing fetched here is lost.
+                    continue
+                self._feed(part, records)
+            self._update_lag()
+        # Stop: finish the records in hand (bounded) and commit them.
+        log.info("stopping_releasing_partitions", partitions=len(self._parts))
+        await self._release(list(self._parts), wait_s=self._s.revoke_wait_s)
 
-    async def _fetch(self, timeout_ms: int) -> dict[TopicPartition, list[ConsumerRecord]]:
-        """One batch of at most ``max_batch`` records, shared fairly among partitions.
-
-        aiokafka fills ``getmany(max_records=N)`` partition by partition from its fetch
-        buffers, so with a few hundred records buffered per partition a batch covered one
-        or two partitions and the rest waited: no concurrency across partitions. Each
-        partition gets an equal share instead; the first call waits for data, the others
-        take what is already buffered.
-        """
-        assert self._consumer is not None
-        consumer = self._consumer
-        paused = consumer.paused()
-        active = [tp for tp in consumer.assignment() if tp not in paused]
-        share = max(1, self._s.max_batch // max(1, len(active)))
-        batch: dict[TopicPartition, list[ConsumerRecord]] = await consumer.getmany(
-            timeout_ms=timeout_ms, max_records=share
-        )
-        if batch:
-            for tp in active:
-                if tp not in batch:
-                    more = await consumer.getmany(tp, timeout_ms=0, max_records=share)
-                    batch.update(more)
-        return batch
-
-    async def _process_batch(self, batch: dict[TopicPartition, list[ConsumerRecord]]) -> None:
-        self._revoked_in_batch.clear()
-        results = await asyncio.gather(
-            *(self._process_partition(tp, records) for tp, records in batch.items())
-        )
-        # A partition revoked while this batch ran belongs to another member now (or will
-        # be re-fetched from its committed offset): committing its offsets or publishing
-        # its outputs here could duplicate them. The Kubernetes writes already made are
-        # idempotent, so its new owner's replay finds them in place.
-        dropped = [res.tp for res in results if res.tp in self._revoked_in_batch]
-        if dropped:
-            log.warning("dropping_results_of_revoked_partitions", partitions=dropped)
-            results = [res for res in results if res.tp not in self._revoked_in_batch]
-        out = [r for res in results for r in res.out]
-        offsets = {res.tp: res.next_offset for res in results if res.next_offset is not None}
-        if out or offsets:
-            try:
-                await self._commit(out, offsets)
-            except ProducerFenced:
-                log.error("producer_fenced", transactional_id=self._s.transactional_id)
-                raise
-            except KafkaError as exc:
-                # Nothing of this batch is visible: process it again from its first offsets.
-                self._commit_failures += 1
-                delay = self._backoff(self._commit_failures)
-                log.warning("commit_failed_replaying_batch", error=str(exc), retry_in_s=delay)
-                self._metrics.retries.labels("kafka_commit").inc()
-                for tp, records in batch.items():
-                    self._rewind(tp, records[0].offset)
-                await asyncio.sleep(delay)
-                await self._replace_producer()
-                return
-        self._commit_failures = 0
-        self.processed += sum(len(res.out) for res in results)
-        self._positions.update(offsets)
-        for res in results:
-            if res.rewind_to is not None:
-                self._rewind(res.tp, res.rewind_to)
-            if res.retry is not None:
-                self._pause(res.tp, self._backoff(res.retry.attempt))
-
-    async def _process_partition(
-        self, tp: TopicPartition, records: list[ConsumerRecord]
-    ) -> _PartitionResult:
-        result = _PartitionResult(tp=tp, out=[], next_offset=None)
-        deadline = self._clock() + self._s.partition_budget_s
+    def _feed(self, part: _Partition, records: list[ConsumerRecord]) -> None:
         for record in records:
-            if self._clock() > deadline or self._stopping.is_set() or tp in self._revoked_in_batch:
-                # Over budget: the rest comes with the next poll. Stopping or revoked: the
-                # rest is left for whoever consumes this partition next.
-                result.rewind_to = record.offset
-                break
-            key = (tp, record.offset)
-            attempt = self._attempts.get(key, 0) + 1
-            ref = InputRef(topic=tp.topic, partition=tp.partition, offset=record.offset)
-            try:
-                produced = await self._processor.process(
-                    ref, record.key, record.value, record.headers, attempt=attempt
-                )
-            except RetryLater as retry:
-                self._attempts[key] = attempt
-                result.rewind_to = record.offset
-                result.retry = retry
-                break
-            self._attempts.pop(key, None)
-            result.out.append(produced)
-            result.next_offset = record.offset + 1
-        return result
+            if not part.ledger.receive(record.offset):
+                continue
+            key = self._key_of(record)
+            lane = part.lanes.get(key)
+            if lane is not None:
+                lane.append(record)
+                continue
+            part.lanes[key] = deque((record,))
+            if len(part.tasks) < self._s.key_concurrency:
+                self._start_lane(part, key)
+            else:
+                part.ready.append(key)
+        if part.ledger.in_flight >= self._s.max_in_flight and not part.backpressured:
+            part.backpressured = True
+            self._consumer.pause(part.tp)
+        self._metrics.in_flight.labels(part.tp.topic, str(part.tp.partition)).set(
+            part.ledger.in_flight
+        )
 
-    async def _commit(self, out: list[OutRecord], offsets: dict[TopicPartition, int]) -> None:
-        assert self._producer is not None
+    def _key_of(self, record: ConsumerRecord) -> bytes:
+        if record.key:
+            return bytes(record.key)
+        # No key: the instance UUID, so one VM's events stay in order. Anything that does
+        # not decode shares one lane (it becomes a dead letter quickly).
+        try:
+            event = decode_input(record.value, record.headers, max_bytes=1 << 62)
+        except Exception:
+            return b""
+        return event.data.request.instance_uuid.lower().encode()
+
+    # ------------------------------------------------------------------ key lanes
+
+    def _start_lane(self, part: _Partition, key: bytes) -> None:
+        task = asyncio.create_task(self._run_lane(part, key))
+        part.tasks.add(task)
+
+    async def _run_lane(self, part: _Partition, key: bytes) -> None:
+        lane = part.lanes[key]
+        try:
+            while lane and not part.draining and not part.closed:
+                record = lane[0]
+                done = await self._decide(part, record)
+                if part.closed:
+                    return
+                lane.popleft()
+                part.ledger.complete(record.offset, done)
+                if part.oldest_done is None:
+                    part.oldest_done = self._clock()
+                part.wake.set()
+        finally:
+            current = asyncio.current_task()
+            if current is not None:
+                part.tasks.discard(current)
+            if not lane and part.lanes.get(key) is lane:
+                del part.lanes[key]
+            while part.ready and not part.draining and not part.closed:
+                nxt = part.ready.popleft()
+                if nxt in part.lanes:
+                    self._start_lane(part, nxt)
+                    break
+
+    async def _decide(self, part: _Partition, record: ConsumerRecord) -> _Done:
+        tp = part.tp
+        ref = InputRef(topic=tp.topic, partition=tp.partition, offset=record.offset)
+        attempt = 1
+        while True:
+            with deferred.capture() as counts:
+                try:
+                    out = await self._processor.process(
+                        ref, record.key, record.value, record.headers, attempt=attempt
+                    )
+                except RetryLater:
+                    counts.clear()
+                    out = None
+                except Exception as exc:  # the processor is total; this is an engine bug
+                    log.exception(
+                        "processing_failed",
+                        topic=tp.topic,
+                        partition=tp.partition,
+                        offset=record.offset,
+                    )
+                    out = self._internal_error(ref, record, exc)
+            if out is not None:
+                if record.offset in self._oversized.get(tp, ()):
+                    out = _stub(
+                        out,
+                        self._processor.dlq_topic,
+                        ref,
+                        record,
+                        "output larger than the broker accepts",
+                    )
+                return _Done(out, counts)
+            # The cluster cannot take it now: this key waits, the others go on.
+            await asyncio.sleep(self._backoff(attempt))
+            attempt += 1
+
+    def _internal_error(self, ref: InputRef, record: ConsumerRecord, exc: Exception) -> OutRecord:
+        reason = f"{type(exc).__name__}: {str(exc)[:200]}"
+        return OutRecord(
+            topic=self._processor.dlq_topic,
+            key=record.key,
+            value=None,
+            headers=dead_letter_headers("internal_error", reason, ref),
+            dead_letter=True,
+        )
+
+    # ------------------------------------------------------------------ commits
+
+    async def _commit_loop(self, part: _Partition) -> None:
+        interval = self._s.commit_interval_ms / 1000
+        while not part.closed:
+            await part.wake.wait()
+            part.wake.clear()
+            # Linger: let a few more outputs join this transaction, bounded by time/count.
+            while (
+                not part.closed
+                and part.oldest_done is not None
+                and part.ledger.done_uncommitted < self._s.commit_max_records
+            ):
+                remaining = part.oldest_done + interval - self._clock()
+                if remaining <= 0:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(part.wake.wait(), remaining)
+                part.wake.clear()
+            if not part.closed:
+                await self._commit(part)
+
+    async def _commit(self, part: _Partition) -> bool:
+        """Commit what the partition has decided; False if the partition was dropped."""
+        plan = part.ledger.plan()
+        if plan is None:
+            part.oldest_done = None
+            return True
+        tp = part.tp
         started = time.perf_counter()
-        producer = self._producer
-        if self._s.exactly_once:
-            async with producer.transaction():
-                if offsets:
-                    await producer.send_offsets_to_transaction(offsets, self._s.group_id)
-                futures = [
-                    await producer.send(r.topic, r.value, key=r.key, headers=r.headers) for r in out
-                ]
-                # aiokafka commits a transaction even when one of its batches was rejected
-                # (e.g. MessageSizeTooLarge): the record would be lost while its offset is
-                # committed. Awaiting every delivery first turns that into an abort.
-                if futures:
-                    await asyncio.gather(*futures)
-        else:
-            futures = [
-                await producer.send(r.topic, r.value, key=r.key, headers=r.headers) for r in out
-            ]
-            if futures:
-                await asyncio.gather(*futures)
-            assert self._consumer is not None
-            if offsets:
-                await self._consumer.commit(offsets)
+        part.committing = True
+        try:
+            await asyncio.wait_for(self._send(part, plan), self._s.commit_timeout_s)
+        except ProducerFenced:
+            self._metrics.commit_failures.labels("fenced").inc()
+            self._fenced(part)
+            return False
+        except _Rejected as rejected:
+            stubbed = self._oversized.setdefault(tp, set())
+            if isinstance(rejected.error, (*_TOO_LARGE, *_INVALID)) and stubbed.isdisjoint(
+                rejected.offsets
+            ):
+                stubbed.update(rejected.offsets)
+                self._metrics.commit_failures.labels("record_too_large").inc()
+                log.warning(
+                    "records_rejected_stubbing",
+                    topic=tp.topic,
+                    partition=tp.partition,
+                    offsets=rejected.offsets[:20],
+                    error=repr(rejected.error)[:200],
+                )
+                self._reacquire(part, delay=0.0, reason="record_too_large")
+            else:
+                self._commit_failed(part, rejected.error)
+            return False
+        except Exception as exc:  # broker, network or client trouble: take it over afresh
+            self._commit_failed(part, exc)
+            return False
+        finally:
+            part.committing = False
+        part.ledger.committed(plan)
+        part.oldest_done = self._clock() if part.ledger.done_uncommitted else None
+        if part.oldest_done is not None:
+            part.wake.set()
+        for _, done in plan.items:
+            deferred.apply(done.counts)
+        self.processed += len(plan.items)
+        self._committed[tp] = plan.offset
+        self._failures.pop(tp, None)
+        if self._stalled.pop(tp, None) is not None:
+            self._metrics.stalled.labels(tp.topic, str(tp.partition)).set(0)
         self._metrics.commit.observe(time.perf_counter() - started)
+        self._metrics.in_flight.labels(tp.topic, str(tp.partition)).set(part.ledger.in_flight)
+        if part.backpressured and part.ledger.in_flight < self._s.max_in_flight // 2:
+            part.backpressured = False
+            if tp in self._consumer.assignment():
+                self._consumer.resume(tp)
+        return True
 
-    # ------------------------------------------------------------------ pause / resume
+    async def _send(self, part: _Partition, plan: CommitPlan[_Done]) -> None:
+        tp = part.tp
+        offsets = {tp: OffsetAndMetadata(plan.offset, plan.metadata)}
+        if part.producer is not None:
+            producer = part.producer
+            async with producer.transaction():
+                await producer.send_offsets_to_transaction(offsets, self._s.group_id)
+                await self._deliver(producer, plan)
+        else:
+            await self._deliver(self._shared_producer, plan)
+            await self._consumer.commit(offsets)
+
+    async def _deliver(self, producer: Any, plan: CommitPlan[_Done]) -> None:
+        # Every delivery is awaited inside the transaction: aiokafka would otherwise commit
+        # a transaction one of whose batches the broker rejected (the output lost while
+        # its offset is committed).
+        futures: list[tuple[int, Any]] = []
+        rejected: list[int] = []
+        error: BaseException | None = None
+        for offset, done in plan.items:
+            r = done.out
+            try:
+                futures.append(
+                    (offset, await producer.send(r.topic, r.value, key=r.key, headers=r.headers))
+                )
+            except (*_TOO_LARGE, *_INVALID) as exc:  # refused before it left the client
+                rejected.append(offset)
+                error = exc
+        results = await asyncio.gather(*(f for _, f in futures), return_exceptions=True)
+        for (offset, _), res in zip(futures, results, strict=True):
+            if isinstance(res, BaseException):
+                if isinstance(res, (*_TOO_LARGE, *_INVALID)):
+                    rejected.append(offset)
+                    error = res
+                else:
+                    raise res
+        if rejected:
+            assert error is not None
+            raise _Rejected(rejected, error)
+
+    def _commit_failed(self, part: _Partition, exc: BaseException) -> None:
+        tp = part.tp
+        authz = isinstance(exc, _AUTHZ)
+        reason = "authorization" if authz else "transient"
+        self._metrics.commit_failures.labels(reason).inc()
+        n = self._failures[tp] = self._failures.get(tp, 0) + 1
+        delay = self._s.retry_backoff_max_s if authz else self._backoff(n)
+        if authz or n >= 3:
+            self._mark_stalled(tp, f"commit failing: {type(exc).__name__}")
+        self._metrics.retries.labels("kafka_commit").inc()
+        log.warning(
+            "commit_failed",
+            topic=tp.topic,
+            partition=tp.partition,
+            error=repr(exc)[:300],
+            permanent=authz,
+            retry_in_s=round(delay, 3),
+        )
+        self._reacquire(part, delay=delay, reason=reason)
+
+    # ------------------------------------------------------------------ ownership
+
+    async def _on_assigned(self, assigned: list[TopicPartition]) -> None:
+        self._assigned |= set(assigned)
+        self._metrics.assigned.set(len(self._assigned))
+        log.info("partitions_assigned", partitions=sorted(tp.partition for tp in assigned))
+        new = [tp for tp in assigned if tp not in self._parts and tp not in self._acquiring]
+        # Taken over inside the callback, so aiokafka hands out no record of them before
+        # the fence is up and the position is the freshly read committed offset.
+        await asyncio.gather(*(self._acquire(tp) for tp in new))
+
+    async def _on_revoked(self, revoked: list[TopicPartition]) -> None:
+        # Not ours any more first: a failure while committing below must not re-acquire.
+        self._assigned -= set(revoked)
+        for tp in revoked:
+            task = self._acquiring.pop(tp, None)
+            if task is not None:
+                task.cancel()
+        await self._release(revoked, wait_s=self._s.revoke_wait_s)
+        for tp in revoked:
+            self._committed.pop(tp, None)
+            self._stalled.pop(tp, None)
+            self._failures.pop(tp, None)
+            self._oversized.pop(tp, None)
+            self._metrics.forget_partition(tp.topic, tp.partition)
+        self._metrics.assigned.set(len(self._assigned))
+        log.info("partitions_revoked", partitions=sorted(tp.partition for tp in revoked))
+
+    async def _acquire(self, tp: TopicPartition) -> None:
+        """Take ``tp`` over: fence its previous owner, then start from its committed offset."""
+        consumer = self._consumer
+        consumer.pause(tp)
+        if self._stopping.is_set():
+            return  # leaving the group: whoever gets it next takes it over
+        attempt = 0
+        while True:
+            producer = None
+            try:
+                if self._s.exactly_once:
+                    producer = self._producer_factory(
+                        **self._s.client_args,
+                        transactional_id=transactional_id_for(self._s.prefix, tp),
+                    )
+                    await producer.start()  # InitProducerId: the fence
+                committed = await consumer._coordinator.fetch_committed_offsets([tp])
+                break
+            except asyncio.CancelledError:
+                if producer is not None:
+                    await _close_quietly(producer)
+                raise
+            except Exception as exc:
+                if producer is not None:
+                    await _close_quietly(producer)
+                attempt += 1
+                authz = isinstance(exc, _AUTHZ)
+                delay = self._s.retry_backoff_max_s if authz else self._backoff(attempt)
+                if authz or attempt >= 3:
+                    self._mark_stalled(tp, f"cannot take partition over: {type(exc).__name__}")
+                log.warning(
+                    "partition_acquire_failed",
+                    topic=tp.topic,
+                    partition=tp.partition,
+                    error=repr(exc)[:300],
+                    retry_in_s=round(delay, 3),
+                )
+                if self._stopping.is_set() or tp not in self._assigned:
+                    return
+                await asyncio.sleep(delay)
+                if tp not in self._assigned:
+                    return
+        found = committed.get(tp)
+        start: int | None = None
+        metadata = ""
+        if found is not None and found.offset >= 0:
+            start, metadata = found.offset, found.metadata or ""
+        if tp not in consumer.assignment():
+            if producer is not None:
+                await _close_quietly(producer)
+            return
+        consumer.seek(tp, start if start is not None else 0)
+        part = _Partition(tp, producer, Ledger(start, metadata))
+        part.committer = asyncio.create_task(self._commit_loop(part))
+        self._parts[tp] = part
+        if start is not None:
+            self._committed[tp] = start
+        consumer.resume(tp)
+        log.info(
+            "partition_acquired",
+            topic=tp.topic,
+            partition=tp.partition,
+            committed=start,
+            resumed_done_above=bool(metadata),
+        )
+
+    async def _release(self, tps: list[TopicPartition], *, wait_s: float) -> None:
+        """Finish (bounded) and commit the work of ``tps``, then close their producers."""
+        parts = [self._parts[tp] for tp in tps if tp in self._parts]
+        for part in parts:
+            part.draining = True
+            part.ready.clear()
+        if wait_s > 0:
+            running = [t for part in parts for t in part.tasks]
+            if running:
+                _, late = await asyncio.wait(running, timeout=wait_s)
+                if late:
+                    log.warning("release_abandoning_in_flight", records=len(late))
+        for part in parts:
+            if not part.closed:
+                try:
+                    await self._commit(part)
+                except Exception as exc:  # released anyway: the next owner reprocesses
+                    log.warning("release_commit_failed", error=repr(exc)[:300])
+        await asyncio.gather(*(self._drop(part) for part in parts))
+        log.info(
+            "partitions_released",
+            partitions=sorted(p.tp.partition for p in parts),
+        )
+
+    async def _drop(self, part: _Partition) -> None:
+        """Forget ``part`` without committing anything more of it."""
+        part.closed = True
+        if part.released:
+            return
+        part.released = True
+        part.wake.set()
+        if self._parts.get(part.tp) is part:
+            del self._parts[part.tp]
+        tasks = [*part.tasks]
+        if part.committer is not None and part.committer is not asyncio.current_task():
+            tasks.append(part.committer)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        if part.producer is not None:
+            await _close_quietly(part.producer)
+
+    def _fenced(self, part: _Partition) -> None:
+        """Another member owns the partition: drop its work; re-check ownership later."""
+        tp = part.tp
+        self._metrics.fenced.inc()
+        log.warning("partition_fenced", topic=tp.topic, partition=tp.partition)
+        self._reacquire(part, delay=self._s.fence_recheck_s, reason="fenced")
+
+    def _reacquire(self, part: _Partition, *, delay: float, reason: str) -> None:
+        tp = part.tp
+        part.closed = True
+        if self._parts.get(tp) is part:
+            del self._parts[tp]
+        if tp in self._consumer.assignment():
+            self._consumer.pause(tp)
+
+        async def again() -> None:
+            await self._drop(part)
+            await asyncio.sleep(delay)
+            # Re-initialising fences whoever holds the id now: only while the group still
+            # gives this partition to us (a fenced zombie is revoked before this fires).
+            if tp in self._assigned and not self._stopping.is_set():
+                await self._acquire(tp)
+
+        task = asyncio.create_task(again(), name=f"reacquire-{tp.partition}-{reason}")
+        self._acquiring[tp] = task
+        self._background.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._background.discard(t)
+            if self._acquiring.get(tp) is t:
+                del self._acquiring[tp]
+
+        task.add_done_callback(done)
+
+    def _mark_stalled(self, tp: TopicPartition, why: str) -> None:
+        self._stalled[tp] = why
+        self._metrics.stalled.labels(tp.topic, str(tp.partition)).set(1)
+
+    # ------------------------------------------------------------------ helpers
 
     def _backoff(self, attempt: int) -> float:
         """Capped exponential: backoff, 2x, 4x, ... up to the configured maximum."""
         return min(self._s.retry_backoff_s * 2.0 ** (attempt - 1), self._s.retry_backoff_max_s)
 
-    def _rewind(self, tp: TopicPartition, offset: int) -> None:
-        assert self._consumer is not None
-        if tp in self._consumer.assignment():
-            self._consumer.seek(tp, offset)
-
-    def _pause(self, tp: TopicPartition, delay: float) -> None:
-        assert self._consumer is not None
-        if tp in self._consumer.assignment():
-            self._consumer.pause(tp)
-            self._resume_at[tp] = self._clock() + delay
-            log.info("partition_paused", topic=tp.topic, partition=tp.partition, seconds=delay)
-
-    def _resume_due(self) -> None:
-        assert self._consumer is not None
-        now = self._clock()
-        for tp, at in list(self._resume_at.items()):
-            if at <= now:
-                del self._resume_at[tp]
-                if tp in self._consumer.assignment():
-                    self._consumer.resume(tp)
-
-    # ------------------------------------------------------------------ rebalance
-
-    async def _on_revoked(self, revoked: list[TopicPartition]) -> None:
-        # Wait for the batch in flight to commit before the partitions move, but not
-        # forever: a stuck batch must not block the whole group's rebalance.
-        try:
-            await asyncio.wait_for(self._idle.wait(), self._s.revoke_wait_s)
-        except TimeoutError:
-            log.warning("revoke_wait_timed_out", partitions=len(revoked))
-        self._revoked_in_batch.update(revoked)
-        for tp in revoked:
-            self._assigned.discard(tp)
-            self._resume_at.pop(tp, None)
-            self._positions.pop(tp, None)
-            self._metrics.forget_partition(tp.topic, tp.partition)
-        self._attempts = {k: v for k, v in self._attempts.items() if k[0] not in revoked}
-        self._metrics.assigned.set(len(self._assigned))
-        log.info("partitions_revoked", partitions=[tp.partition for tp in revoked])
-
-    def _on_assigned(self, assigned: list[TopicPartition]) -> None:
-        self._assigned = set(assigned) | self._assigned
-        self._metrics.assigned.set(len(self._assigned))
-        log.info("partitions_assigned", partitions=sorted(tp.partition for tp in assigned))
-
-    async def _update_lag(self) -> None:
-        # read_committed: the last stable offset is what this consumer can reach. A
-        # partition that has not committed here yet starts from the group's committed
-        # offset, so a partition stuck on its first record still shows its lag.
-        assert self._consumer is not None
-        for tp in list(self._assigned):
-            position = self._positions.get(tp)
-            if position is None:
-                try:
-                    position = await self._consumer.committed(tp) or 0
-                except KafkaError:
-                    continue
-                self._positions[tp] = position
+    def _update_lag(self) -> None:
+        # read_committed: the last stable offset is what this consumer can reach.
+        for tp in self._assigned:
+            position = self._committed.get(tp)
             end = self._consumer.last_stable_offset(tp)
-            if end is not None:
-                self._metrics.lag.labels(tp.topic, str(tp.partition)).set(max(end - position, 0))
+            if end is None:
+                continue
+            if position is None:
+                position = 0
+            self._metrics.lag.labels(tp.topic, str(tp.partition)).set(max(end - position, 0))
 
     @property
     def assignment(self) -> set[TopicPartition]:
         return set(self._assigned)
+
+    def stalled(self) -> dict[TopicPartition, str]:
+        """Assigned partitions that cannot make progress, with the reason (for readiness)."""
+        return dict(self._stalled)
+
+
+async def _close_quietly(producer: Any) -> None:
+    try:
+        await producer.stop()
+    except Exception as exc:  # a fenced or broken producer may fail to close
+        log.debug("producer_close_failed", error=repr(exc)[:200])
+
+
+def _stub(
+    out: OutRecord, dlq_topic: str, ref: InputRef, record: ConsumerRecord, why: str
+) -> OutRecord:
+    """A dead letter that always fits: coordinates, sizes and a hash instead of the data."""
+    code = "output_too_large"
+    for name, value in out.headers:
+        if name == "crs.error":
+            code = value.decode("utf-8", "replace")[:64]
+    value = record.value or b""
+    digest = hashlib.sha256(value).hexdigest()
+    headers = dead_letter_headers(code, why, ref)
+    headers += [
+        ("crs.stub", b"true"),
+        ("crs.value.sha256", digest.encode()),
+        ("crs.value.size", str(len(value)).encode()),
+        ("crs.key.size", str(len(record.key or b"")).encode()),
+    ]
+    # A record needs a key or a value: the stub's value is this small description.
+    body = _STUB_ENCODER.encode(
+        {
+            "stub": True,
+            "code": code,
+            "reason": why,
+            "source": {"topic": ref.topic, "partition": ref.partition, "offset": ref.offset},
+            "value_size": len(value),
+            "key_size": len(record.key or b""),
+            "value_sha256": digest,
+        }
+    )
+    return OutRecord(topic=dlq_topic, key=None, value=body, headers=headers, dead_letter=True)
+
+
+_STUB_ENCODER = msgspec.json.Encoder()

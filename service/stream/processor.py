@@ -75,6 +75,10 @@ class Processor:
         self._max_attempts = max_attempts
         self._max_dead_letter_value = max_dead_letter_value_bytes
 
+    @property
+    def dlq_topic(self) -> str:
+        return self._dlq_topic
+
     async def process(
         self,
         ref: InputRef,

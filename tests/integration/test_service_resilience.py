@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import TopicPartition
@@ -180,8 +181,10 @@ async def test_rebalance_hands_partitions_over_without_loss_or_duplicates(
     hosts = await seed_capacity(clean_k8s)
     topics = await service_topics(new_topic)
     records, vms = placements(hosts, 200)
-    cfg_a = e2e.config(devstack, topics, CRS_MAX_BATCH="5", CRS_TRANSACTIONAL_ID="tx-a")
-    cfg_b = e2e.config(devstack, topics, CRS_MAX_BATCH="5", CRS_TRANSACTIONAL_ID="tx-b")
+    # Both replicas share the transactional-id prefix (the group id): the ids are bound
+    # to input partitions, so whoever takes a partition over fences its previous owner.
+    cfg_a = e2e.config(devstack, topics, CRS_MAX_BATCH="5")
+    cfg_b = e2e.config(devstack, topics, CRS_MAX_BATCH="5")
     log = str(tmp_path / "service.log")
     a = e2e.spawn(cfg_a, log)
     b = e2e.spawn(cfg_b, log)
@@ -278,13 +281,14 @@ async def test_api_server_outage_mid_stream_loses_nothing(
     assert dead == []
 
 
-async def test_kafka_produce_failure_replays_the_batch_until_it_commits(
+async def test_output_refused_as_too_large_becomes_stub_dead_letters_not_a_replay_loop(
     devstack: DevStack, clean_k8s: Any, new_topic: Any
 ) -> None:
-    """The output topic refuses the records (too large for it): nothing is committed and
-    the batch is retried with back-off; once the topic accepts them, each input has
-    exactly one output."""
-    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+    """The output topic refuses the records (too large for it). That is permanent, so it
+    is not retried as if transient (the first engine replayed such a batch forever): each
+    refused output is replaced by a stub dead letter naming its input, and every input
+    ends as exactly one record across output and dead-letter topic."""
+    from aiokafka.admin import NewTopic
 
     hosts = await seed_capacity(clean_k8s, hosts=4)
     topics = {"input": await new_topic("in", PARTITIONS), "dlq": await new_topic("dlq", 1)}
@@ -292,12 +296,10 @@ async def test_kafka_produce_failure_replays_the_batch_until_it_commits(
     admin = AIOKafkaAdminClient(bootstrap_servers=devstack.kafka_bootstrap)
     await admin.start()
     try:
-        from aiokafka.admin import NewTopic
-
         await admin.create_topics(
             [NewTopic(topics["output"], PARTITIONS, 1, topic_configs={"max.message.bytes": "200"})]
         )
-        records, vms = placements(hosts, 12)
+        records, _vms = placements(hosts, 12)
         cfg = e2e.config(devstack, topics, CRS_RETRY_BACKOFF_S="0.1", CRS_RETRY_BACKOFF_MAX_S="0.4")
         runtime = Runtime(cfg)
         await runtime.start()
@@ -305,62 +307,62 @@ async def test_kafka_produce_failure_replays_the_batch_until_it_commits(
         try:
             await e2e.publish(devstack.kafka_bootstrap, topics["input"], records)
 
-            async def refused() -> bool:
-                return runtime.metrics.retries.labels("kafka_commit")._value.get() >= 2
-
-            await wait_for(refused, 60, "the commit to be refused")
-            assert runtime.stream is not None
-            assert runtime.stream.processed == 0
-            await admin.alter_configs(
-                [
-                    ConfigResource(
-                        ConfigResourceType.TOPIC, topics["output"], {"max.message.bytes": "1048576"}
-                    )
-                ]
-            )
-
             async def all_done() -> bool:
                 assert runtime.stream is not None
                 return runtime.stream.processed >= len(records)
 
-            await wait_for(all_done, 60, "processing after the topic accepts records")
+            await wait_for(all_done, 60, "every input to end somewhere")
+            failures = runtime.metrics.commit_failures.labels("record_too_large")._value.get()
+            assert failures >= 1
         finally:
             runtime.request_stop()
             await asyncio.wait_for(task, 30)
             await runtime.stop()
-        outputs = await e2e.read_all(
-            devstack.kafka_bootstrap, topics["output"], len(records), partitions=PARTITIONS
+        stubs = await e2e.read_all(devstack.kafka_bootstrap, topics["dlq"], len(records))
+        assert len(stubs) == len(records)
+        sources = collections.Counter()
+        for stub in stubs:
+            headers = dict(stub.headers)
+            assert headers["crs.stub"] == b"true"
+            assert msgspec.json.decode(stub.value)["stub"] is True
+            sources[(headers["crs.source.partition"], headers["crs.source.offset"])] += 1
+        assert len(sources) == len(records)
+        assert max(sources.values()) == 1
+        # Nothing reached the output topic (read_committed: the refused transactions were
+        # aborted), so no input has both an output and a stub.
+        assert not await e2e.read_all(
+            devstack.kafka_bootstrap, topics["output"], 1, partitions=PARTITIONS, timeout_s=2
         )
-        assert len(outputs) == len(records)
-        check_exactly_once(outputs, vms, await allocations_by_vm(clean_k8s))
     finally:
         await admin.delete_topics([topics["output"]])
         await admin.close()
 
 
-async def test_a_batch_spreads_over_every_partition_with_data(
+async def test_partitions_progress_concurrently_within_the_in_flight_bound(
     devstack: DevStack, clean_k8s: Any, new_topic: Any
 ) -> None:
-    """Partitions are processed concurrently only if a batch holds several of them:
-    with a backlog on every partition, each batch takes a share of each."""
+    """Every partition with a backlog has work in flight at once (no partition waits for
+    another), and a partition holds at most CRS_MAX_IN_FLIGHT records (plus the one
+    fetch that crossed the bound) before it is paused."""
     hosts = await seed_capacity(clean_k8s)
     topics = await service_topics(new_topic)
     records, _ = placements(hosts, 160)
     await e2e.publish(devstack.kafka_bootstrap, topics["input"], records)
-    cfg = e2e.config(devstack, topics, CRS_MAX_BATCH="40")
+    cfg = e2e.config(devstack, topics, CRS_MAX_BATCH="10", CRS_MAX_IN_FLIGHT="10")
     runtime = Runtime(cfg)
     await runtime.start()
     assert runtime.stream is not None
     stream = runtime.stream
     widths: list[int] = []
-    original = stream._process_batch
+    peaks: list[int] = []
+    original = stream._feed
 
-    async def recording(batch: Any) -> None:
-        widths.append(len(batch))
-        assert sum(len(r) for r in batch.values()) <= 40  # the in-flight bound holds
-        await original(batch)
+    def recording(part: Any, batch: Any) -> None:
+        original(part, batch)
+        peaks.append(part.ledger.in_flight)
+        widths.append(sum(1 for p in stream._parts.values() if p.ledger.in_flight))
 
-    stream._process_batch = recording  # type: ignore[method-assign]
+    stream._feed = recording  # type: ignore[method-assign]
     task = asyncio.create_task(runtime.run())
     try:
 
@@ -372,4 +374,5 @@ async def test_a_batch_spreads_over_every_partition_with_data(
         runtime.request_stop()
         await asyncio.wait_for(task, 30)
         await runtime.stop()
-    assert max(widths) >= PARTITIONS - 1, widths  # a single getmany gave 1-2
+    assert max(widths) >= PARTITIONS - 1, widths
+    assert max(peaks) <= 10 + 10, peaks

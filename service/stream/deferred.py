@@ -1,0 +1,86 @@
+"""Counters that advance only when the outcome they count is committed.
+
+The Recorder and the Processor count as they decide (the reference recorder does). In
+the stream engine a decision is only final once its Kafka transaction commits: a batch
+replayed after a failed commit, or dropped because its producer was fenced, would
+otherwise be counted twice. Each record is processed in its own task with a
+:func:`capture` buffer in its context; increments land in the buffer and the engine
+applies them after the commit (:func:`apply`). Outside a capture (unit tests, tools) an
+increment applies at once, so the wrapped counters behave like plain ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Protocol
+
+__all__ = ["DeferredCounter", "Increments", "apply", "capture"]
+
+
+class _Incrementable(Protocol):
+    def inc(self, amount: float = 1) -> None: ...
+
+
+Increments = list[tuple[_Incrementable, float]]
+
+_buffer: ContextVar[Increments | None] = ContextVar("crs_deferred_increments", default=None)
+
+
+@contextmanager
+def capture() -> Iterator[Increments]:
+    """Collect the increments made in this context (and tasks it starts) into a list."""
+    buf: Increments = []
+    token = _buffer.set(buf)
+    try:
+        yield buf
+    finally:
+        _buffer.reset(token)
+
+
+def apply(increments: Increments) -> None:
+    for child, amount in increments:
+        child.inc(amount)
+
+
+def _inc(target: _Incrementable, amount: float) -> None:
+    buf = _buffer.get()
+    if buf is None:
+        target.inc(amount)
+    else:
+        buf.append((target, amount))
+
+
+class _DeferredChild:
+    __slots__ = ("_child",)
+
+    def __init__(self, child: Any) -> None:
+        self._child = child
+
+    def labels(self, *args: str, **kwargs: str) -> _DeferredChild:
+        return _DeferredChild(self._child.labels(*args, **kwargs))
+
+    def inc(self, amount: float = 1) -> None:
+        _inc(self._child, amount)
+
+    def __getattr__(self, name: str) -> Any:  # _value etc. for tests and introspection
+        return getattr(self._child, name)
+
+
+class DeferredCounter:
+    """A prometheus_client Counter whose increments follow :func:`capture`."""
+
+    __slots__ = ("counter",)
+
+    def __init__(self, counter: Any) -> None:
+        self.counter = counter
+
+    def labels(self, *args: str, **kwargs: str) -> _DeferredChild:
+        return _DeferredChild(self.counter.labels(*args, **kwargs))
+
+    def inc(self, amount: float = 1) -> None:
+        _inc(self.counter, amount)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.counter, name)

@@ -1,0 +1,207 @@
+"""An in-memory Kafka for the stream engine's unit tests (not for integration tests).
+
+Just enough of the broker's semantics to test the engine's bookkeeping in milliseconds:
+partition logs, committed offsets with metadata per group, and transactional ids with
+epochs, so a producer initialised under an id fences the previous instance (its commit
+raises ``ProducerFenced``) exactly as InitProducerId does. Every behaviour tested with it
+is covered once more on the real broker (tests/integration).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError, ProducerFenced
+from aiokafka.structs import OffsetAndMetadata, TopicPartition
+
+
+@dataclass
+class Rec:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]] = field(default_factory=list)
+
+
+class FakeBroker:
+    def __init__(self) -> None:
+        self.logs: dict[TopicPartition, list[Rec]] = {}
+        self.committed: dict[tuple[str, TopicPartition], OffsetAndMetadata] = {}
+        self.epochs: dict[str, int] = {}
+        self.outputs: list[Rec] = []  # committed output records, in commit order
+        self.max_value_bytes = 1 << 20
+        self.fail_commits = 0  # the next N commits fail with a connection error
+        self.commits = 0
+        self.data = asyncio.Event()
+
+    def append(self, topic: str, partition: int, key: bytes | None, value: bytes) -> None:
+        tp = TopicPartition(topic, partition)
+        log = self.logs.setdefault(tp, [])
+        log.append(Rec(topic, partition, len(log), key, value))
+        self.data.set()
+
+
+class FakeProducer:
+    def __init__(self, broker: FakeBroker, **kwargs: Any) -> None:
+        self.broker = broker
+        self.txn_id: str | None = kwargs.get("transactional_id")
+        self.epoch = -1
+        self.stopped = False
+        self._pending: list[Rec] = []
+        self._offsets: dict[tuple[str, TopicPartition], OffsetAndMetadata] = {}
+
+    async def start(self) -> None:
+        if self.txn_id is not None:
+            self.epoch = self.broker.epochs.get(self.txn_id, -1) + 1
+            self.broker.epochs[self.txn_id] = self.epoch
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+    def transaction(self) -> Any:
+        producer = self
+
+        class _Txn:
+            async def __aenter__(self) -> None:
+                producer._pending = []
+                producer._offsets = {}
+
+            async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+                if exc_type is not None:
+                    producer._pending = []
+                    return
+                await producer._commit()
+
+        return _Txn()
+
+    async def send_offsets_to_transaction(
+        self, offsets: dict[TopicPartition, OffsetAndMetadata], group_id: str
+    ) -> None:
+        self._check_epoch()
+        for tp, om in offsets.items():
+            self._offsets[(group_id, tp)] = om
+
+    async def send(
+        self,
+        topic: str,
+        value: bytes | None,
+        key: bytes | None = None,
+        headers: list[tuple[str, bytes]] | None = None,
+    ) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if value is not None and len(value) > self.broker.max_value_bytes:
+            fut.set_exception(MessageSizeTooLargeError())
+        else:
+            rec = Rec(topic, 0, -1, key, value, list(headers or []))
+            # Without a transaction a record is visible once acknowledged.
+            (self._pending if self.txn_id is not None else self.broker.outputs).append(rec)
+            fut.set_result(None)
+        return fut
+
+    def _check_epoch(self) -> None:
+        if self.txn_id is not None and self.broker.epochs.get(self.txn_id) != self.epoch:
+            raise ProducerFenced()
+
+    async def _commit(self) -> None:
+        await asyncio.sleep(0)
+        self._check_epoch()
+        if self.broker.fail_commits > 0:
+            self.broker.fail_commits -= 1
+            raise KafkaConnectionError("broker gone")
+        self.broker.outputs.extend(self._pending)
+        self.broker.committed.update(self._offsets)
+        self.broker.commits += 1
+
+
+class _Coordinator:
+    def __init__(self, consumer: FakeConsumer) -> None:
+        self._c = consumer
+
+    async def fetch_committed_offsets(
+        self, tps: Iterable[TopicPartition]
+    ) -> dict[TopicPartition, OffsetAndMetadata]:
+        out = {}
+        for tp in tps:
+            found = self._c.broker.committed.get((self._c.group_id, tp))
+            if found is not None:
+                out[tp] = found
+        return out
+
+
+class FakeConsumer:
+    def __init__(self, broker: FakeBroker, **kwargs: Any) -> None:
+        self.broker = broker
+        self.group_id: str = kwargs["group_id"]
+        self.max_records: int = kwargs.get("max_poll_records", 500)
+        self._assigned: set[TopicPartition] = set()
+        self._paused: set[TopicPartition] = set()
+        self.positions: dict[TopicPartition, int] = {}
+        self.listener: Any = None
+        self._coordinator = _Coordinator(self)
+        self.commits: list[dict[TopicPartition, OffsetAndMetadata]] = []
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    def subscribe(self, topics: list[str], listener: Any) -> None:
+        self.listener = listener
+
+    async def assign(self, tps: list[TopicPartition]) -> None:
+        """What a rebalance does: revoke everything, then assign ``tps`` (eager protocol)."""
+        old = sorted(self._assigned)
+        await self.listener.on_partitions_revoked(old)
+        self._assigned = set(tps)
+        for tp in tps:
+            found = self.broker.committed.get((self.group_id, tp))
+            self.positions[tp] = found.offset if found else 0
+        await self.listener.on_partitions_assigned(set(tps))
+
+    def assignment(self) -> set[TopicPartition]:
+        return set(self._assigned)
+
+    def pause(self, *tps: TopicPartition) -> None:
+        self._paused.update(tps)
+
+    def resume(self, *tps: TopicPartition) -> None:
+        self._paused.difference_update(tps)
+
+    def paused(self) -> set[TopicPartition]:
+        return set(self._paused)
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self.positions[tp] = offset
+
+    def last_stable_offset(self, tp: TopicPartition) -> int:
+        return len(self.broker.logs.get(tp, []))
+
+    async def commit(self, offsets: dict[TopicPartition, OffsetAndMetadata]) -> None:
+        self.commits.append(offsets)
+        for tp, om in offsets.items():
+            self.broker.committed[(self.group_id, tp)] = om
+
+    async def getmany(
+        self, timeout_ms: int = 0, max_records: int | None = None
+    ) -> dict[TopicPartition, list[Rec]]:
+        limit = max_records or self.max_records
+        out: dict[TopicPartition, list[Rec]] = {}
+        for tp in sorted(self._assigned - self._paused):
+            log = self.broker.logs.get(tp, [])
+            pos = self.positions.get(tp, 0)
+            chunk = log[pos : pos + limit]
+            if chunk:
+                out[tp] = chunk
+                self.positions[tp] = pos + len(chunk)
+        if not out:
+            self.broker.data.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.broker.data.wait(), timeout_ms / 1000)
+        return out

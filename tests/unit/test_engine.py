@@ -1,0 +1,352 @@
+"""The stream engine's bookkeeping against an in-memory Kafka (milliseconds per test).
+
+Key lanes, the committed watermark with done-above metadata, commit triggers, back-
+pressure, fencing, re-acquisition after a failed commit, stub dead letters and counting
+on commit. The same behaviours run on the real broker in tests/integration
+(test_service_resilience.py, test_engine_faults.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from aiokafka.structs import TopicPartition
+
+from service.stream.codec import InputRef
+from service.stream.consumer import StreamService, StreamSettings, transactional_id_for
+from service.stream.metrics import StreamMetrics
+from service.stream.processor import OutRecord, RetryLater
+from tests.fake_kafka import FakeBroker, FakeConsumer, FakeProducer
+
+IN = "in"
+TP0 = TopicPartition(IN, 0)
+TP1 = TopicPartition(IN, 1)
+
+
+@dataclass
+class FakeProcessor:
+    metrics: StreamMetrics
+    dlq_topic: str = "dlq"
+    gates: dict[bytes, asyncio.Event] = field(default_factory=dict)
+    retries: dict[bytes, int] = field(default_factory=dict)
+    calls: list[tuple[int, int]] = field(default_factory=list)
+    running: int = 0
+    max_running: int = 0
+
+    async def process(
+        self,
+        ref: InputRef,
+        key: bytes | None,
+        value: bytes | None,
+        headers: Any,
+        *,
+        attempt: int = 1,
+    ) -> OutRecord:
+        assert value is not None
+        self.calls.append((ref.partition, ref.offset))
+        self.running += 1
+        self.max_running = max(self.max_running, self.running)
+        try:
+            gate = self.gates.get(value)
+            if gate is not None:
+                await gate.wait()
+            if attempt <= self.retries.get(value, 0):
+                raise RetryLater(RuntimeError("api down"), attempt)
+            self.metrics.events.labels("placement", "slot_used").inc()
+            return OutRecord(topic="out", key=key, value=value, headers=[])
+        finally:
+            self.running -= 1
+
+
+class Harness:
+    def __init__(self, broker: FakeBroker, **settings: Any) -> None:
+        self.broker = broker
+        self.metrics = StreamMetrics()
+        self.processor = FakeProcessor(self.metrics)
+        base: dict[str, Any] = {
+            "input_topic": IN,
+            "group_id": "g",
+            "retry_backoff_s": 0.01,
+            "retry_backoff_max_s": 0.05,
+            "poll_timeout_ms": 20,
+            "commit_interval_ms": 5,
+            "fence_recheck_s": 0.05,
+            "revoke_wait_s": 0.5,
+        }
+        self.service = StreamService(
+            StreamSettings(**(base | settings)),
+            self.processor,  # type: ignore[arg-type]
+            self.metrics,
+            consumer_factory=lambda **kw: FakeConsumer(broker, **kw),
+            producer_factory=lambda **kw: FakeProducer(broker, **kw),
+        )
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def consumer(self) -> FakeConsumer:
+        return self.service._consumer  # type: ignore[no-any-return]
+
+    async def start(self, *tps: TopicPartition) -> None:
+        await self.service.start()
+        await self.consumer.assign(list(tps))
+        self.task = asyncio.create_task(self.service.run())
+
+    async def stop(self) -> None:
+        self.service.request_stop()
+        assert self.task is not None
+        await asyncio.wait_for(self.task, 5)
+        await self.service.close()
+
+    async def crash(self) -> None:
+        """Gone without committing or closing anything (SIGKILL)."""
+        assert self.task is not None
+        self.task.cancel()
+        for part in list(self.service._parts.values()):
+            for t in [*part.tasks, *([part.committer] if part.committer else [])]:
+                t.cancel()
+
+    def counted(self) -> float:
+        return self.metrics.events.labels("placement", "slot_used")._value.get()  # type: ignore[no-any-return]
+
+
+@pytest_asyncio.fixture
+async def broker() -> AsyncIterator[FakeBroker]:
+    yield FakeBroker()
+
+
+async def until(pred: Callable[[], bool], limit_s: float = 3.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+def outputs(broker: FakeBroker) -> list[bytes]:
+    return [r.value for r in broker.outputs if r.value is not None]
+
+
+async def test_different_keys_run_concurrently_and_one_key_in_order(broker: FakeBroker) -> None:
+    h = Harness(broker)
+    gate = h.processor.gates[b"a0"] = asyncio.Event()
+    for v in (b"a0", b"b0", b"a1", b"b1", b"a2"):
+        broker.append(IN, 0, v[:1], v)
+    await h.start(TP0)
+    await until(lambda: outputs(broker) == [b"b0", b"b1"])
+    assert (0, 2) not in h.processor.calls  # a1 waits for a0: same key
+    gate.set()
+    await until(lambda: len(outputs(broker)) == 5)
+    assert [v for v in outputs(broker) if v.startswith(b"a")] == [b"a0", b"a1", b"a2"]
+    await h.stop()
+    assert broker.committed[("g", TP0)].offset == 5
+
+
+async def test_a_stuck_record_holds_neither_other_keys_nor_other_partitions(
+    broker: FakeBroker,
+) -> None:
+    h = Harness(broker)
+    gate = h.processor.gates[b"x0"] = asyncio.Event()
+    broker.append(IN, 0, b"x", b"x0")
+    broker.append(IN, 0, b"y", b"y0")
+    broker.append(IN, 1, b"z", b"z0")
+    await h.start(TP0, TP1)
+    await until(lambda: sorted(outputs(broker)) == [b"y0", b"z0"])
+    # The committed offset stays at the stuck record; the metadata says 1 is done.
+    committed = broker.committed[("g", TP0)]
+    assert committed.offset == 0
+    assert committed.metadata.startswith("crs1:")
+    gate.set()
+    await until(lambda: len(outputs(broker)) == 3)
+    await h.stop()
+    assert broker.committed[("g", TP0)].offset == 2
+
+
+async def test_a_new_owner_skips_what_was_committed_above_the_watermark(
+    broker: FakeBroker,
+) -> None:
+    first = Harness(broker)
+    first.processor.gates[b"x0"] = asyncio.Event()  # never opened: the owner dies
+    for v in (b"x0", b"y0", b"y1", b"w0"):
+        broker.append(IN, 0, v[:1], v)
+    await first.start(TP0)
+    await until(lambda: sorted(outputs(broker)) == [b"w0", b"y0", b"y1"])
+    await first.crash()
+    second = Harness(broker)
+    await second.start(TP0)
+    await until(lambda: len(outputs(broker)) == 4)
+    await second.stop()
+    assert second.processor.calls == [(0, 0)]  # only the record that was not done
+    assert sorted(outputs(broker)) == [b"w0", b"x0", b"y0", b"y1"]
+
+
+async def test_a_fenced_owner_publishes_and_counts_nothing(broker: FakeBroker) -> None:
+    zombie = Harness(broker)
+    gate = zombie.processor.gates[b"v0"] = asyncio.Event()
+    broker.append(IN, 0, b"v", b"v0")
+    await zombie.start(TP0)
+    await until(lambda: zombie.processor.calls == [(0, 0)])
+    # Another member takes the partition over while the zombie is paused mid-record.
+    successor = FakeProducer(broker, transactional_id=transactional_id_for("g", TP0))
+    await successor.start()
+    gate.set()
+    await until(lambda: zombie.metrics.fenced._value.get() == 1)
+    assert outputs(broker) == []
+    assert zombie.counted() == 0
+    assert TP0 in zombie.consumer.paused()
+    # Revoked before the re-check: it never re-initialises the id (that would fence
+    # the rightful owner).
+    zombie.consumer._assigned = set()
+    zombie.service._assigned.clear()
+    await asyncio.sleep(0.1)
+    assert broker.epochs[transactional_id_for("g", TP0)] == successor.epoch
+    zombie.service.request_stop()
+    assert zombie.task is not None
+    await asyncio.wait_for(zombie.task, 5)
+
+
+async def test_a_failed_commit_reprocesses_and_counts_each_event_once(broker: FakeBroker) -> None:
+    h = Harness(broker)
+    broker.fail_commits = 1
+    for i in range(6):
+        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    await h.start(TP0)
+    await until(lambda: len(outputs(broker)) == 6)
+    await h.stop()
+    assert sorted(outputs(broker)) == sorted(b"v%d" % i for i in range(6))
+    assert h.counted() == 6
+    assert h.metrics.commit_failures.labels("transient")._value.get() == 1
+    assert len(h.processor.calls) > 6  # what the failed transaction held was redone
+
+
+async def test_commit_by_count_without_waiting_for_the_interval(broker: FakeBroker) -> None:
+    h = Harness(broker, commit_interval_ms=60_000, commit_max_records=3)
+    for i in range(3):
+        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    await h.start(TP0)
+    await until(lambda: len(outputs(broker)) == 3, limit_s=2)
+    broker.append(IN, 0, b"k9", b"v9")
+    await asyncio.sleep(0.3)
+    assert len(outputs(broker)) == 3  # one waiting record: the interval applies
+    await h.stop()  # stopping commits what is decided
+    assert len(outputs(broker)) == 4
+
+
+async def test_commit_by_time(broker: FakeBroker) -> None:
+    h = Harness(broker, commit_interval_ms=50, commit_max_records=1000)
+    broker.append(IN, 0, b"k", b"v")
+    await h.start(TP0)
+    started = time.monotonic()
+    await until(lambda: len(outputs(broker)) == 1, limit_s=2)
+    assert time.monotonic() - started >= 0.04
+    await h.stop()
+
+
+async def test_backpressure_pauses_the_partition_and_resumes_it(broker: FakeBroker) -> None:
+    h = Harness(broker, max_in_flight=4, max_batch=2)
+    gate = asyncio.Event()
+    for i in range(10):
+        h.processor.gates[b"v%d" % i] = gate
+        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    await h.start(TP0)
+    await until(lambda: TP0 in h.consumer.paused())
+    assert h.processor.max_running <= 4
+    gate.set()
+    await until(lambda: len(outputs(broker)) == 10)
+    assert TP0 not in h.consumer.paused()
+    await h.stop()
+
+
+async def test_key_concurrency_is_bounded(broker: FakeBroker) -> None:
+    h = Harness(broker, key_concurrency=3)
+    gate = asyncio.Event()
+    for i in range(8):
+        h.processor.gates[b"v%d" % i] = gate
+        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    await h.start(TP0)
+    await until(lambda: h.processor.running == 3)
+    await asyncio.sleep(0.05)
+    assert h.processor.max_running == 3
+    gate.set()
+    await until(lambda: len(outputs(broker)) == 8)
+    await h.stop()
+
+
+async def test_retry_later_waits_in_its_lane_only(broker: FakeBroker) -> None:
+    h = Harness(broker)
+    h.processor.retries[b"slow"] = 2
+    broker.append(IN, 0, b"s", b"slow")
+    broker.append(IN, 0, b"f", b"fast")
+    await h.start(TP0)
+    await until(lambda: len(outputs(broker)) == 2)
+    assert outputs(broker)[0] == b"fast"
+    assert h.processor.calls.count((0, 0)) == 3
+    assert h.counted() == 2
+    await h.stop()
+
+
+async def test_an_output_too_large_for_the_broker_becomes_a_stub_dead_letter(
+    broker: FakeBroker,
+) -> None:
+    h = Harness(broker)
+    broker.max_value_bytes = 1000
+    broker.append(IN, 0, b"k", b"x" * 5000)
+    broker.append(IN, 0, b"j", b"small")
+    await h.start(TP0)
+    await until(lambda: len(broker.outputs) == 2)
+    await h.stop()
+    stub = next(r for r in broker.outputs if r.topic == "dlq")
+    headers = dict(stub.headers)
+    assert headers["crs.stub"] == b"true"
+    assert headers["crs.source.offset"] == b"0"
+    assert headers["crs.value.size"] == b"5000"
+    assert stub.value is not None
+    assert len(stub.value) < 1000
+    assert h.metrics.commit_failures.labels("record_too_large")._value.get() == 1
+
+
+async def test_a_rejected_stub_stalls_the_partition_instead_of_looping(
+    broker: FakeBroker,
+) -> None:
+    h = Harness(broker, retry_backoff_max_s=0.2)
+    broker.max_value_bytes = 10  # not even a stub fits: a broken topic configuration
+    broker.append(IN, 0, b"k", b"x" * 50)
+    await h.start(TP0)
+    await until(lambda: bool(h.service.stalled()))
+    await asyncio.sleep(0.3)
+    assert h.metrics.commit_failures.labels("record_too_large")._value.get() == 1
+    assert h.metrics.stalled.labels(IN, "0")._value.get() == 1
+    await h.stop()
+
+
+async def test_revoke_commits_what_is_decided_and_closes_the_producer(broker: FakeBroker) -> None:
+    h = Harness(broker)
+    for i in range(4):
+        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    await h.start(TP0)
+    await until(lambda: h.service.processed == 4)
+    producer = h.service._parts[TP0].producer
+    await h.consumer.assign([TP1])
+    assert producer.stopped
+    assert TP0 not in h.service._parts
+    assert broker.committed[("g", TP0)].offset == 4
+    await h.stop()
+
+
+@pytest.mark.parametrize("exactly_once", [True, False])
+async def test_both_delivery_modes_commit_every_record(
+    broker: FakeBroker, exactly_once: bool
+) -> None:
+    h = Harness(broker, exactly_once=exactly_once)
+    for i in range(20):
+        broker.append(IN, i % 2, b"k%d" % (i % 5), b"v%d" % i)
+    await h.start(TP0, TP1)
+    await until(lambda: len(outputs(broker)) == 20)
+    await h.stop()
+    assert broker.committed[("g", TP0)].offset == 10
+    assert broker.committed[("g", TP1)].offset == 10
+    assert h.counted() == 20

@@ -1,0 +1,151 @@
+"""The partition ledger: watermark, done-above-watermark metadata, restore after a crash."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from service.stream.ledger import (
+    MAX_METADATA_CHARS,
+    Ledger,
+    decode_metadata,
+    encode_metadata,
+)
+
+
+def test_in_order_completion_commits_the_next_offset_without_metadata() -> None:
+    ledger: Ledger[str] = Ledger(start=10)
+    for o in (10, 11, 12):
+        assert ledger.receive(o)
+    for o in (10, 11, 12):
+        ledger.complete(o, f"out{o}")
+    plan = ledger.plan()
+    assert plan is not None
+    assert plan.offset == 13
+    assert plan.metadata == ""
+    assert [o for o, _ in plan.items] == [10, 11, 12]
+    ledger.committed(plan)
+    assert ledger.plan() is None
+    assert ledger.in_flight == 0
+
+
+def test_a_stuck_record_holds_the_watermark_but_not_the_outputs_behind_it() -> None:
+    ledger: Ledger[str] = Ledger(start=0)
+    for o in range(5):
+        ledger.receive(o)
+    for o in (0, 2, 4):
+        ledger.complete(o, "x")
+    plan = ledger.plan()
+    assert plan is not None
+    assert plan.offset == 1  # the lowest open offset
+    assert [o for o, _ in plan.items] == [0, 2, 4]  # published now, not after offset 1
+    assert decode_metadata(1, plan.metadata) == (4, [3])
+
+
+def test_restored_metadata_skips_what_the_previous_owner_did() -> None:
+    # Previous owner: watermark 1, done up to 4 except 3.
+    meta = encode_metadata(1, 4, [3])
+    ledger: Ledger[str] = Ledger(start=1, metadata=meta)
+    processed = [o for o in range(1, 7) if ledger.receive(o)]
+    assert processed == [1, 3, 5, 6]
+    # Nothing new is committed until something is done.
+    assert ledger.plan() is None
+
+
+def test_restored_open_offsets_not_yet_fetched_stay_open_in_the_next_commit() -> None:
+    meta = encode_metadata(100, 200, [150])
+    ledger: Ledger[str] = Ledger(start=100, metadata=meta)
+    assert ledger.receive(100)
+    ledger.complete(100, "x")
+    plan = ledger.plan()
+    assert plan is not None
+    # 150 has not been fetched yet: it must still be listed as open.
+    assert plan.offset == 150
+    assert decode_metadata(150, plan.metadata) == (200, [])
+
+
+def test_duplicate_delivery_after_a_seek_is_ignored() -> None:
+    ledger: Ledger[str] = Ledger(start=5)
+    assert ledger.receive(5)
+    assert not ledger.receive(5)
+    assert not ledger.receive(3)
+
+
+def test_gaps_in_offsets_are_not_open_records() -> None:
+    # Transaction markers occupy offsets that never arrive as records.
+    ledger: Ledger[str] = Ledger(start=0)
+    ledger.receive(0)
+    ledger.receive(2)
+    ledger.complete(2, "x")
+    ledger.complete(0, "y")
+    plan = ledger.plan()
+    assert plan is not None
+    assert plan.offset == 3
+    assert plan.metadata == ""
+
+
+def test_unparseable_metadata_is_ignored() -> None:
+    assert decode_metadata(5, "written by another tool") == (None, [])
+    assert decode_metadata(5, "crs1:zz:!!") == (None, [])
+    ledger: Ledger[str] = Ledger(start=5, metadata="crs1:not-base36!:")
+    assert ledger.receive(5)
+    assert ledger.receive(6)
+
+
+def test_too_many_open_offsets_fall_back_to_the_contiguous_prefix() -> None:
+    ledger: Ledger[str] = Ledger(start=0)
+    n = 4000
+    for o in range(n):
+        ledger.receive(o)
+    ledger.complete(0, "first")
+    for o in range(2, n, 2):  # every other record done: thousands of open offsets
+        ledger.complete(o, "x")
+    plan = ledger.plan()
+    assert plan is not None
+    assert len(plan.metadata) <= MAX_METADATA_CHARS
+    assert plan.offset == 1
+    assert plan.metadata == ""
+    assert [o for o, _ in plan.items] == [0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(min_value=1, max_value=60),
+    seed=st.integers(min_value=0, max_value=2**32),
+    crashes=st.integers(min_value=0, max_value=4),
+)
+def test_any_completion_order_with_crashes_publishes_each_record_exactly_once(
+    n: int, seed: int, crashes: int
+) -> None:
+    """Owners take turns over one partition; each crashes at a random moment, losing what
+    it had not committed. Across all of them, every offset is published exactly once."""
+    rng = random.Random(seed)
+    published: list[int] = []
+    committed_offset: int | None = None
+    committed_meta = ""
+    for turn in range(crashes + 1):
+        last = turn == crashes
+        ledger: Ledger[int] = Ledger(committed_offset, committed_meta)
+        start = committed_offset or 0
+        todo = [o for o in range(start, n) if ledger.receive(o)]
+        rng.shuffle(todo)
+        stop_after = len(todo) if last else rng.randint(0, len(todo))
+        for i, o in enumerate(todo):
+            if i >= stop_after:
+                break
+            ledger.complete(o, o)
+            if rng.random() < 0.3 or (last and i == len(todo) - 1):
+                plan = ledger.plan()
+                if plan is not None:
+                    published.extend(p for _, p in plan.items)
+                    committed_offset, committed_meta = plan.offset, plan.metadata
+                    ledger.committed(plan)
+        if last:
+            plan = ledger.plan()
+            if plan is not None:
+                published.extend(p for _, p in plan.items)
+                committed_offset, committed_meta = plan.offset, plan.metadata
+    assert sorted(published) == list(range(n))
+    assert committed_offset == n
