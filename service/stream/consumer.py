@@ -40,10 +40,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hashlib
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Generator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -308,7 +309,17 @@ class StreamService:
     # ------------------------------------------------------------------ key lanes
 
     def _start_lane(self, part: _Partition, key: bytes) -> None:
-        task = asyncio.create_task(self._run_lane(part, key))
+        # Eagerly: most events (no-host-found, placements without a write) are decided
+        # from the watch cache without ever suspending, and a task per record would cost
+        # more CPU than the decision. The first step runs here, in a context of its own;
+        # only a lane that really waits (a PATCH, a back-off) becomes a task.
+        ctx = contextvars.copy_context()
+        coro = self._run_lane(part, key)
+        try:
+            first = ctx.run(coro.send, None)
+        except StopIteration:
+            return
+        task = asyncio.get_running_loop().create_task(_resume(coro, first), context=ctx)
         part.tasks.add(task)
 
     async def _run_lane(self, part: _Partition, key: bytes) -> None:
@@ -330,11 +341,21 @@ class StreamService:
                 part.tasks.discard(current)
             if not lane and part.lanes.get(key) is lane:
                 del part.lanes[key]
-            while part.ready and not part.draining and not part.closed:
-                nxt = part.ready.popleft()
-                if nxt in part.lanes:
-                    self._start_lane(part, nxt)
-                    break
+            if part.ready:
+                # Scheduled, not called: a lane that finishes eagerly would otherwise
+                # start the next one inside its own frame, recursing once per lane.
+                asyncio.get_running_loop().call_soon(self._start_ready, part)
+
+    def _start_ready(self, part: _Partition) -> None:
+        while (
+            part.ready
+            and len(part.tasks) < self._s.key_concurrency
+            and not part.draining
+            and not part.closed
+        ):
+            key = part.ready.popleft()
+            if key in part.lanes:
+                self._start_lane(part, key)
 
     async def _decide(self, part: _Partition, record: ConsumerRecord) -> _Done:
         tp = part.tp
@@ -720,6 +741,41 @@ class StreamService:
     def stalled(self) -> dict[TopicPartition, str]:
         """Assigned partitions that cannot make progress, with the reason (for readiness)."""
         return dict(self._stalled)
+
+
+class _Continue:
+    """Awaitable that drives a coroutine already started by hand (PEP 380 delegation).
+
+    ``first`` is what the coroutine yielded on its first step (the future it waits for,
+    or None for a bare yield); the enclosing task waits for it, and each later step is
+    forwarded, exceptions (cancellation) included.
+    """
+
+    __slots__ = ("_coro", "_first")
+
+    def __init__(self, coro: Coroutine[Any, Any, None], first: Any) -> None:
+        self._coro = coro
+        self._first = first
+
+    def __await__(self) -> Generator[Any, None, None]:
+        coro, pending = self._coro, self._first
+        while True:
+            try:
+                yield pending
+            except BaseException as exc:  # cancellation and friends go to the coroutine
+                try:
+                    pending = coro.throw(exc)
+                except StopIteration:
+                    return
+                continue
+            try:
+                pending = coro.send(None)
+            except StopIteration:
+                return
+
+
+async def _resume(coro: Coroutine[Any, Any, None], first: Any) -> None:
+    await _Continue(coro, first)
 
 
 async def _close_quietly(producer: Any) -> None:

@@ -350,3 +350,18 @@ async def test_both_delivery_modes_commit_every_record(
     assert broker.committed[("g", TP0)].offset == 10
     assert broker.committed[("g", TP1)].offset == 10
     assert h.counted() == 20
+
+
+async def test_thousands_of_waiting_lanes_drain_without_recursion(broker: FakeBroker) -> None:
+    # key_concurrency 1 and a stuck first key: every other key queues as "ready", and
+    # then finishes eagerly, one after another, once the slot frees.
+    h = Harness(broker, key_concurrency=1, max_in_flight=5000, max_batch=5000)
+    gate = h.processor.gates[b"first"] = asyncio.Event()
+    broker.append(IN, 0, b"k", b"first")
+    for i in range(3000):
+        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    await h.start(TP0)
+    await until(lambda: len(h.service._parts[TP0].ready) == 3000)
+    gate.set()
+    await until(lambda: len(outputs(broker)) == 3001, limit_s=10)
+    await h.stop()
