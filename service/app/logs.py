@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any, TextIO
 
 import msgspec
@@ -49,7 +50,7 @@ def _cut(text: str, limit: int) -> str:
     return text[:half] + marker + text[-half:]
 
 
-def bound_values(_: Any, __: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+def bound_values(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """structlog processor: cut every long string (and bytes) value of a log line."""
     for name, value in event_dict.items():
         if isinstance(value, str):
@@ -71,7 +72,7 @@ def _dumps(obj: Any, **_: Any) -> str:
     if len(line) <= MAX_LINE_BYTES:
         return line.decode()
     # Too many (or too large) fields got past bound_values: keep what locates the event.
-    short = {k: str(obj[k])[:256] for k in _ESSENTIAL if k in obj}
+    short: dict[str, Any] = {k: str(obj[k])[:256] for k in _ESSENTIAL if k in obj}
     short["line_cut_bytes"] = len(line)
     return _encoder.encode(short).decode()
 
