@@ -6,24 +6,75 @@ the hot path, and the standard-library logging machinery in between cost more th
 rest of an event's processing. Standard-library logging (aiokafka, kubernetes_asyncio,
 aiohttp) is routed through the same renderer, so one stream carries everything in one
 format.
+
+Every line is bounded, whatever a caller passes: values derived from input are cut at
+the call site (to a few hundred bytes, ``service.stream.codec.clip``), and as a backstop
+:func:`bound_values` cuts any string value to :data:`MAX_VALUE_CHARS` (a traceback to
+:data:`MAX_EXCEPTION_CHARS`, keeping its start and its end, where the error is), and the
+renderer replaces a line that still exceeds :data:`MAX_LINE_BYTES` by a short one that
+says so. A 900 KB record key can never become a 900 KB log line.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any, TextIO
 
 import msgspec
 import structlog
 
-__all__ = ["configure_logging"]
+__all__ = [
+    "MAX_EXCEPTION_CHARS",
+    "MAX_LINE_BYTES",
+    "MAX_VALUE_CHARS",
+    "bound_values",
+    "configure_logging",
+]
+
+MAX_VALUE_CHARS = 1024
+MAX_EXCEPTION_CHARS = 8192
+MAX_LINE_BYTES = 16 * 1024
+# Kept whole when a line is replaced for being too long: they say what and where.
+_ESSENTIAL = ("event", "level", "timestamp", "logger", "topic", "partition", "offset", "code")
 
 _encoder = msgspec.json.Encoder(enc_hook=str)
 
 
+def _cut(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    marker = f"...[{len(text) - limit} chars cut]..."
+    half = (limit - len(marker)) // 2
+    return text[:half] + marker + text[-half:]
+
+
+def bound_values(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """structlog processor: cut every long string (and bytes) value of a log line."""
+    for name, value in event_dict.items():
+        if isinstance(value, str):
+            limit = MAX_EXCEPTION_CHARS if name in ("exception", "stack") else MAX_VALUE_CHARS
+            if len(value) > limit:
+                event_dict[name] = _cut(value, limit)
+        elif isinstance(value, bytes | bytearray | memoryview):
+            event_dict[name] = _cut(repr(bytes(value[: MAX_VALUE_CHARS + 1])), MAX_VALUE_CHARS)
+    return event_dict
+
+
 def _dumps(obj: Any, **_: Any) -> str:
-    return _encoder.encode(obj).decode()
+    try:
+        line = _encoder.encode(obj)
+    except Exception as exc:  # e.g. a lone surrogate: the line must still be written
+        obj = {k: repr(v)[:MAX_VALUE_CHARS] for k, v in obj.items()}
+        obj["log_encoding_error"] = type(exc).__name__
+        line = _encoder.encode(obj)
+    if len(line) <= MAX_LINE_BYTES:
+        return line.decode()
+    # Too many (or too large) fields got past bound_values: keep what locates the event.
+    short: dict[str, Any] = {k: str(obj[k])[:256] for k in _ESSENTIAL if k in obj}
+    short["line_cut_bytes"] = len(line)
+    return _encoder.encode(short).decode()
 
 
 def configure_logging(level: str = "INFO", fmt: str = "json", stream: TextIO | None = None) -> None:
@@ -40,6 +91,7 @@ def configure_logging(level: str = "INFO", fmt: str = "json", stream: TextIO | N
     else:
         shared.append(structlog.processors.format_exc_info)
         renderer = structlog.processors.JSONRenderer(serializer=_dumps)
+    shared.append(bound_values)
 
     structlog.configure(
         processors=[*shared, structlog.processors.StackInfoRenderer(), renderer],

@@ -11,16 +11,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import ssl
 import time
 from typing import Any
 
+import aiohttp
 import structlog
+from aiokafka import errors as kafka_errors
 
 from service.app.config import Config
 from service.app.http import HealthChecks, HttpServer, LoopWatchdog
 from service.crs import Recorder
+from service.crs.ports import ApiError
 from service.k8s import K8sMetrics, KubeClient, ListClusterState
 from service.k8s.cache import WatchClusterState
+from service.stream.codec import clip
 from service.stream.consumer import StreamService, StreamSettings
 from service.stream.metrics import StreamMetrics
 from service.stream.processor import Processor
@@ -177,12 +182,11 @@ async def run_service(config: Config) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    try:
-        await runtime.start()
-    except Exception as exc:
-        log.error("startup_failed", error=f"{type(exc).__name__}: {exc}")
-        await asyncio.wait_for(runtime.stop(), config.shutdown_timeout_s)
-        return 1
+    # Transient Kafka/Kubernetes errors are retried; a configuration error exits.
+    running = await _start_with_retry(runtime, stop)
+    if running is None:
+        return 0 if stop.is_set() else 1
+    runtime = running
     run_task = asyncio.create_task(runtime.run(), name="consume-loop")
     stop_task = asyncio.create_task(stop.wait(), name="stop-signal")
     done, _ = await asyncio.wait({run_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -215,3 +219,73 @@ async def run_service(config: Config) -> int:
         log.warning("shutdown_timed_out")
     log.info("stopped", exit_code=code)
     return code
+
+
+# Kafka errors that no retry fixes: credentials, ACLs, client settings (configuration).
+_KAFKA_CONFIG_ERRORS: tuple[type[BaseException], ...] = (
+    kafka_errors.AuthenticationFailedError,
+    kafka_errors.AuthenticationMethodNotSupported,
+    kafka_errors.UnsupportedSaslMechanismError,
+    kafka_errors.IllegalSaslStateError,
+    kafka_errors.KafkaConfigurationError,
+    kafka_errors.IllegalArgumentError,
+    kafka_errors.IncompatibleBrokerVersion,
+    kafka_errors.UnsupportedCodecError,
+    kafka_errors.TopicAuthorizationFailedError,
+    kafka_errors.GroupAuthorizationFailedError,
+    kafka_errors.ClusterAuthorizationFailedError,
+    kafka_errors.TransactionalIdAuthorizationFailed,
+)
+
+
+def _transient_startup_error(exc: BaseException) -> bool:
+    """Worth another start-up attempt: the broker or the API server is (briefly) away.
+
+    A configuration error (bad settings, a missing or unreadable file, credentials or
+    ACLs that the servers refuse) is not: the process exits and says why.
+    """
+    if isinstance(exc, _KAFKA_CONFIG_ERRORS):
+        return False
+    if isinstance(exc, kafka_errors.KafkaError):
+        return True
+    if isinstance(exc, ApiError):
+        return exc.retryable
+    if isinstance(
+        exc, FileNotFoundError | PermissionError | IsADirectoryError | NotADirectoryError
+    ):
+        return False
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return False  # the wrong CA: configuration
+    return isinstance(exc, OSError | TimeoutError | aiohttp.ClientError)
+
+
+async def _start_with_retry(runtime: Runtime, stop: asyncio.Event) -> Runtime | None:
+    """Start ``runtime``, retrying transient failures with capped exponential back-off.
+
+    Returns the started runtime, or None after a configuration error (logged) or when a
+    stop signal arrives while waiting. Each attempt starts from a fresh Runtime: a failed
+    start is torn down completely first (its HTTP port, clients and producer released).
+    """
+    config = runtime.config
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            await runtime.start()
+            return runtime
+        except Exception as exc:
+            error = clip(f"{type(exc).__name__}: {exc}")
+            transient = _transient_startup_error(exc)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(runtime.stop(), config.shutdown_timeout_s)
+            if not transient:
+                log.error("startup_failed", error=error, hint="configuration error; not retried")
+                return None
+        delay = min(config.retry_backoff_s * 2.0 ** (attempt - 1), config.retry_backoff_max_s)
+        log.warning("startup_retrying", error=error, attempt=attempt, retry_in_s=delay)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay)
+        if stop.is_set():
+            log.info("startup_abandoned", attempts=attempt)
+            return None
+        runtime = Runtime(config)

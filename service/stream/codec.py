@@ -1,9 +1,17 @@
 """Wire codec for the Kafka topics: CloudEvents in, CloudEvents out, dead-letter headers.
 
-Decoding is the poison boundary. :func:`decode_input` raises only :class:`Poison`, whose
-``code`` is one of :data:`POISON_CODES` (stable strings: they are metric labels and the
-``crs.error`` header of dead letters). Everything that reaches the Recorder has passed the
-schema of :class:`~service.model.events.InputEvent`.
+Decoding is the poison boundary, and it is total. :func:`decode_input` raises only
+:class:`Poison`, whose ``code`` is one of :data:`POISON_CODES` or :data:`INTERNAL_ERROR`
+(stable strings: they are metric labels and the ``crs.error`` header of dead letters),
+whatever the record holds: deep nesting (``RecursionError`` in the parser), numbers out
+of range, bad UTF-8, wrong types at any depth, or an exception nobody foresaw (a bug, a
+``MemoryError``: ``internal_error``). Everything that reaches the Recorder has passed the
+schema of :class:`~service.model.events.InputEvent`. A reason never embeds more than a
+few hundred bytes of input (:func:`clip`), because it is logged and travels in a header.
+
+When the typed decode fails, the code says what is wrong: ``not_json`` only when the bytes
+are not UTF-8 JSON at all; a valid JSON document that cannot be an event (ill-typed
+fields, a 5,000-digit integer, nesting deeper than the parser goes) is ``invalid_event``.
 
 Both CloudEvents Kafka content modes are accepted. A ``content-type`` header starting with
 ``application/cloudevents`` means structured mode (the value is the whole event); failing
@@ -23,6 +31,8 @@ case-insensitively (the same VM in a different spelling is not an inconsistency)
 
 from __future__ import annotations
 
+import json
+import reprlib
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
@@ -50,6 +60,8 @@ from service.model.nova import Decision, ExternalSchedulerRequest
 __all__ = [
     "DEFAULT_INPUT_SOURCE",
     "INPUT_TYPE",
+    "INTERNAL_ERROR",
+    "MAX_LOGGED_BYTES",
     "MAX_REASON_BYTES",
     "OUTPUT_ID_NAMESPACE",
     "OUTPUT_SOURCE",
@@ -60,6 +72,7 @@ __all__ = [
     "InputRef",
     "Poison",
     "PoisonCode",
+    "clip",
     "dead_letter_headers",
     "decode_input",
     "encode_input",
@@ -80,6 +93,15 @@ OUTPUT_ID_NAMESPACE: Final = uuid.UUID("1a78a063-a511-40ec-8082-f5b20aa64804")
 
 # A reason is for humans; msgspec messages are short, but a header must stay bounded.
 MAX_REASON_BYTES: Final = 1024
+# Input quoted in a reason or a log line (a subject, a key, a found value) is cut to this:
+# a 900 KB key must not become a 900 KB log line.
+MAX_LOGGED_BYTES: Final = 256
+# A poison reason as a whole (it is logged, and sent in the crs.reason header).
+_MAX_POISON_REASON_BYTES: Final = 512
+
+# The catch-all code for an unexpected exception (a bug): the processor uses it for
+# failures while recording, decode_input for failures while decoding.
+INTERNAL_ERROR: Final = "internal_error"
 
 
 class PoisonCode(StrEnum):
@@ -99,12 +121,60 @@ POISON_CODES: Final[tuple[str, ...]] = tuple(code.value for code in PoisonCode)
 
 
 class Poison(Exception):
-    """An input record that must be dead-lettered. ``code`` is a :class:`PoisonCode` value."""
+    """An input record that must be dead-lettered.
 
-    def __init__(self, code: PoisonCode, reason: str) -> None:
-        super().__init__(f"{code.value}: {reason}")
-        self.code: str = code.value
+    ``code`` is a :class:`PoisonCode` value, or :data:`INTERNAL_ERROR` (see
+    :meth:`internal`). The reason is cut to a few hundred bytes.
+    """
+
+    def __init__(self, code: PoisonCode | str, reason: str) -> None:
+        reason = clip(reason, _MAX_POISON_REASON_BYTES)
+        super().__init__(f"{code}: {reason}")
+        self.code: str = str(code)
         self.reason = reason
+
+    @property
+    def internal(self) -> bool:
+        """An unexpected exception (a bug?): worth a traceback in the log."""
+        return self.code == INTERNAL_ERROR
+
+    @classmethod
+    def internal_error(cls, exc: BaseException) -> Poison:
+        """An unexpected exception while decoding (raise it ``from exc``)."""
+        return cls(INTERNAL_ERROR, f"{type(exc).__name__} while decoding: {exc}")
+
+
+def clip(text: str, limit: int = MAX_LOGGED_BYTES) -> str:
+    """``text`` cut to at most ``limit`` bytes of UTF-8 (marked, no character split).
+
+    For every value derived from input that goes into a log line or a header. Lone
+    surrogates (from a JSON escape) become ``?``: a log encoder or header must not fail
+    on them.
+    """
+    head = text[: limit + 1]
+    if len(head) <= limit and head.isascii():
+        return text
+    # Never encode more than needed: the text may be a megabyte.
+    raw = head.encode("utf-8", errors="replace")
+    if len(head) <= limit and len(raw) <= limit:
+        return raw.decode("utf-8")
+    marker = f"...[{len(text)} chars]"
+    keep = max(0, limit - len(marker))
+    return raw[:keep].decode("utf-8", errors="ignore") + marker
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = 80
+_REPR.maxother = 80
+_REPR.maxlevel = 3
+
+
+def _quote(found: object) -> str:
+    """A short ``repr`` of a value found in the input (bounded in size and depth)."""
+    try:
+        return clip(_REPR.repr(found), 120)
+    except Exception:  # repr of hostile input must not turn a poison into a crash
+        return f"<{type(found).__name__}>"
 
 
 _INPUT_DECODER: Final = msgspec.json.Decoder(InputEvent)
@@ -114,7 +184,7 @@ _ENCODER: Final = msgspec.json.Encoder()
 
 def decode_input(
     value: bytes | None,
-    headers: Sequence[tuple[str, bytes]] | None,
+    headers: Sequence[tuple[str, bytes | None]] | None,
     *,
     max_bytes: int,
     key: bytes | None = None,
@@ -123,6 +193,21 @@ def decode_input(
 
     ``key`` is optional: when given (and non-empty) it must name the request's instance.
     """
+    try:
+        return _decode_input(value, headers, max_bytes=max_bytes, key=key)
+    except Poison:
+        raise
+    except Exception as exc:  # a bug or a resource limit: still one dead letter, not a crash
+        raise Poison.internal_error(exc) from exc
+
+
+def _decode_input(
+    value: bytes | None,
+    headers: Sequence[tuple[str, bytes | None]] | None,
+    *,
+    max_bytes: int,
+    key: bytes | None,
+) -> InputEvent:
     if not value:
         raise Poison(PoisonCode.EMPTY_VALUE, "record value is empty (a tombstone?)")
     if len(value) > max_bytes:
@@ -137,7 +222,7 @@ def decode_input(
     return event
 
 
-def _header_map(headers: Sequence[tuple[str, bytes]] | None) -> dict[str, str]:
+def _header_map(headers: Sequence[tuple[str, bytes | None]] | None) -> dict[str, str]:
     # Only the few headers we read are decoded; a header we ignore cannot poison a record.
     out: dict[str, str] = {}
     for name, raw in headers or ():
@@ -147,33 +232,47 @@ def _header_map(headers: Sequence[tuple[str, bytes]] | None) -> dict[str, str]:
         try:
             out[lname] = bytes(raw).decode("utf-8")
         except (UnicodeDecodeError, TypeError) as exc:
-            raise Poison(PoisonCode.INVALID_EVENT, f"header {name!r} is not UTF-8") from exc
+            raise Poison(PoisonCode.INVALID_EVENT, f"header {_quote(name)} is not UTF-8") from exc
     return out
+
+
+# What the typed decoders raise on bad input: schema and syntax errors, bad UTF-8 inside
+# a string (a UnicodeDecodeError, not a DecodeError), and nesting deeper than the C
+# recursion limit. Anything else is unexpected and becomes internal_error.
+_DECODE_FAILURES: Final = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
 
 
 def _decode_structured(value: bytes) -> InputEvent:
     try:
         return _INPUT_DECODER.decode(value)
-    except msgspec.ValidationError as exc:  # before DecodeError: it is a subclass
-        raise _classify_invalid(value, exc, binary=False) from None
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        # msgspec raises UnicodeDecodeError (not DecodeError) for bad UTF-8 in a string.
-        raise Poison(PoisonCode.NOT_JSON, str(exc)) from None
+    except _DECODE_FAILURES as exc:
+        raise _classify_failure(value, exc, binary=False) from None
 
 
-def _classify_invalid(value: bytes, exc: msgspec.ValidationError, *, binary: bool) -> Poison:
-    """Refine a schema failure into the most useful code.
+def _classify_failure(value: bytes, exc: BaseException, *, binary: bool) -> Poison:
+    """Refine a failed typed decode into the most useful code.
 
     msgspec validates while it parses, so garbage that starts like a number (``7\x9f...``)
-    fails as "expected object, got int" before the syntax error is seen: an untyped parse
-    tells "not JSON" from "wrong JSON". A foreign event should then say so rather than
+    fails as "expected object, got int" before the syntax error is seen, and a valid
+    document with a number beyond 64 bits fails as "out of range": a second, untyped
+    parse by the standard library (no limit on numbers) is the arbiter of "not JSON"
+    versus "JSON, but not an event". A foreign event should then say so rather than
     "field X is wrong"; the spec version is checked first, as it defines how to read the
     rest. This runs only on the (rare) error path; the happy path parses once.
     """
     try:
-        doc = msgspec.json.decode(value)
-    except (msgspec.DecodeError, UnicodeDecodeError) as not_json:
+        text = value.decode("utf-8")
+    except UnicodeDecodeError as not_utf8:
+        return Poison(PoisonCode.NOT_JSON, str(not_utf8))
+    try:
+        doc = json.loads(text, parse_int=_json_int, parse_constant=_not_json_constant)
+    except RecursionError:
+        # Nothing that deep can be an event; whether the rest is well-formed is moot.
+        return Poison(PoisonCode.INVALID_EVENT, "JSON nested too deeply to decode")
+    except ValueError as not_json:  # JSONDecodeError, or NaN/Infinity
         return Poison(PoisonCode.NOT_JSON, str(not_json))
+    if isinstance(exc, RecursionError):
+        return Poison(PoisonCode.INVALID_EVENT, "JSON nested too deeply to decode")
     if binary:
         # msgspec's path is relative to the value, which in binary mode is ``data``.
         return Poison(PoisonCode.INVALID_EVENT, f"binary-mode data: {exc}")
@@ -186,14 +285,25 @@ def _classify_invalid(value: bytes, exc: msgspec.ValidationError, *, binary: boo
     return Poison(PoisonCode.INVALID_EVENT, str(exc))
 
 
+def _json_int(digits: str) -> int | float:
+    # Python refuses to convert more than 4,300 digits (a ValueError, read as "not JSON");
+    # the magnitude is all that matters here.
+    return int(digits) if len(digits) <= 1000 else float(digits)
+
+
+def _not_json_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
 def _bad_specversion(found: object) -> Poison:
     return Poison(
-        PoisonCode.UNSUPPORTED_SPECVERSION, f"specversion {found!r}, expected {SPECVERSION!r}"
+        PoisonCode.UNSUPPORTED_SPECVERSION,
+        f"specversion {_quote(found)}, expected {SPECVERSION!r}",
     )
 
 
 def _bad_type(found: object) -> Poison:
-    return Poison(PoisonCode.UNKNOWN_TYPE, f"type {found!r}, expected {INPUT_TYPE!r}")
+    return Poison(PoisonCode.UNKNOWN_TYPE, f"type {_quote(found)}, expected {INPUT_TYPE!r}")
 
 
 def _decode_binary(value: bytes, attrs: Mapping[str, str]) -> InputEvent:
@@ -213,10 +323,8 @@ def _decode_binary(value: bytes, attrs: Mapping[str, str]) -> InputEvent:
             raise Poison(PoisonCode.INVALID_EVENT, f"header ce_time: {exc}") from None
     try:
         data = _DATA_DECODER.decode(value)
-    except msgspec.ValidationError as exc:
-        raise _classify_invalid(value, exc, binary=True) from None
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        raise Poison(PoisonCode.NOT_JSON, str(exc)) from None
+    except _DECODE_FAILURES as exc:
+        raise _classify_failure(value, exc, binary=True) from None
     return InputEvent(
         specversion=SPECVERSION,
         id=event_id,
@@ -246,14 +354,14 @@ def _check_subject(event: InputEvent, key: bytes | None) -> None:
     if event.subject and event.subject.lower() != instance.lower():
         raise Poison(
             PoisonCode.INCONSISTENT_SUBJECT,
-            f"subject {event.subject!r} != request instance_uuid {instance!r}",
+            f"subject {_quote(event.subject)} != request instance_uuid {_quote(instance)}",
         )
     if key:
         text = bytes(key).decode("utf-8", errors="replace")
         if text.lower() != instance.lower():
             raise Poison(
                 PoisonCode.INCONSISTENT_SUBJECT,
-                f"record key {text!r} != request instance_uuid {instance!r}",
+                f"record key {_quote(text)} != request instance_uuid {_quote(instance)}",
             )
 
 

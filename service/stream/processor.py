@@ -10,7 +10,9 @@ error): the service never crashes on one event and never drops one silently.
 
 from __future__ import annotations
 
+import hashlib
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,42 +22,270 @@ from service.crs import Recorder
 from service.crs.outcome import Outcome
 from service.crs.ports import ApiError, ForbiddenError
 from service.stream.codec import (
+    INTERNAL_ERROR,
+    MAX_LOGGED_BYTES,
+    MAX_REASON_BYTES,
     InputRef,
     Poison,
+    clip,
     dead_letter_headers,
     decode_input,
     encode_output,
 )
 from service.stream.metrics import StreamMetrics
 
-__all__ = ["OutRecord", "Processor", "RetryLater"]
+__all__ = [
+    "DEFAULT_MAX_RECORD_BYTES",
+    "DeadLetterBounds",
+    "DeadLetterSource",
+    "OutRecord",
+    "Processor",
+    "RetryLater",
+    "record_size",
+    "stub_dead_letter",
+]
 
 log = structlog.get_logger(__name__)
 
-Headers = Sequence[tuple[str, bytes]]
+Headers = Sequence[tuple[str, bytes | None]]
+
+# aiokafka's default ``max_request_size``: the producer refuses a larger record outright.
+DEFAULT_MAX_RECORD_BYTES = 1_048_576
+
+# Room kept below ``max_record_bytes`` beyond :func:`record_size` (itself an upper bound
+# of aiokafka's own estimate): a dead letter that just fits is one config change away
+# from not fitting.
+_MARGIN_BYTES = 512
+# A record batch header (61 bytes) plus the fixed part of one record (aiokafka: 21).
+_RECORD_OVERHEAD = 61 + 21
+# The stub keeps a key only when it is this short (an instance UUID is 36 bytes).
+_STUB_KEY_BYTES = 128
+_STUB_REASON_BYTES = MAX_LOGGED_BYTES
+# Dead letters already logged, per input coordinate: a replayed batch does not re-log them.
+_LOGGED_MEMORY = 4096
+
+
+def _varint_size(n: int) -> int:
+    # Kafka's zig-zag varint of a non-negative length: 7 bits per byte.
+    n <<= 1
+    size = 1
+    while n >= 0x80:
+        n >>= 7
+        size += 1
+    return size
+
+
+def record_size(key: bytes | None, value: bytes | None, headers: Headers) -> int:
+    """Bytes one record takes in a produce request, overhead included (an upper bound).
+
+    Mirrors aiokafka's ``estimate_size_in_bytes``, the figure the producer compares with
+    ``max_request_size`` before sending.
+    """
+    size = _RECORD_OVERHEAD + _varint_size(len(headers))
+    for part in (key, value):
+        size += 1 if part is None else _varint_size(len(part)) + len(part)
+    for name, raw in headers:
+        n = len(name.encode("utf-8", errors="replace"))
+        size += _varint_size(n) + n
+        size += 1 if raw is None else _varint_size(len(raw)) + len(raw)
+    return size
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterBounds:
+    """How much of an input a dead letter carries, settled from the producer's limit.
+
+    With the default 1 MiB: key 4 KiB, each original header value 4 KiB, all original
+    headers 64 KiB, the reason 1 KiB; the value is kept whole when the record still fits
+    ``max_record_bytes`` minus a margin, and left out otherwise.
+    """
+
+    max_record_bytes: int
+    key_bytes: int
+    header_name_bytes: int
+    header_value_bytes: int
+    headers_bytes: int
+    reason_bytes: int
+
+    @classmethod
+    def for_max_record_bytes(cls, max_record_bytes: int) -> DeadLetterBounds:
+        if max_record_bytes < 16 * 1024:
+            raise ValueError(f"max_record_bytes {max_record_bytes} is below 16 KiB")
+        m = max_record_bytes
+        return cls(
+            max_record_bytes=m,
+            key_bytes=min(4096, m // 256),
+            header_name_bytes=256,
+            header_value_bytes=min(4096, m // 256),
+            headers_bytes=min(64 * 1024, m // 16),
+            reason_bytes=min(MAX_REASON_BYTES, m // 64),
+        )
+
+    @property
+    def budget(self) -> int:
+        """The most a dead letter may take by :func:`record_size`."""
+        return self.max_record_bytes - _MARGIN_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterSource:
+    """What a dead letter is about: enough to build its stub (:func:`stub_dead_letter`).
+
+    ``key`` and ``value`` are the input's own objects (references, not copies).
+    """
+
+    ref: InputRef
+    code: str
+    reason: str
+    key: bytes | None
+    value: bytes | None
 
 
 @dataclass(frozen=True, slots=True)
 class OutRecord:
-    """A record to produce, in the same transaction as its input's offset."""
+    """A record to produce, in the same transaction as its input's offset.
+
+    A dead letter carries its ``source``, from which :func:`stub_dead_letter` builds the
+    small record to publish instead when the broker rejects the dead letter itself.
+    """
 
     topic: str
     key: bytes | None
     value: bytes | None
     headers: list[tuple[str, bytes]]
     dead_letter: bool = False
+    source: DeadLetterSource | None = None
+
+
+def stub_dead_letter(out: OutRecord, *, error: str | None = None) -> OutRecord:
+    """The stub to publish when the dead letter ``out`` cannot be produced at all.
+
+    For a dead letter that fits the producer's limit but that the broker still rejects
+    (e.g. the dead-letter topic has a lower ``max.message.bytes``, or the record is
+    invalid for it): rather than replaying the batch forever, the engine publishes this
+    instead. No value and no original headers; the key only if it is at most 128 bytes.
+    Headers: ``crs.error``, ``crs.reason`` (at most 256 bytes), ``crs.source.topic``,
+    ``crs.source.partition``, ``crs.source.offset``, ``crs.stub`` (``true``),
+    ``crs.key.size`` (absent without a key), ``crs.value.size`` and ``crs.value.sha256``
+    (hex; both absent without a value), and ``crs.stub.error`` (``error``: why the full
+    dead letter was refused, at most 256 bytes) when given. Well under 2 KiB. The
+    original stays in the input topic at the coordinates the headers name (until the
+    topic's retention removes it).
+    """
+    src = out.source
+    if not out.dead_letter or src is None:
+        raise ValueError("only a dead letter built by the Processor has a stub")
+    key = src.key if src.key is not None and len(src.key) <= _STUB_KEY_BYTES else None
+    headers = dead_letter_headers(src.code, clip(src.reason, _STUB_REASON_BYTES), src.ref)
+    headers.append(("crs.stub", b"true"))
+    if src.key is not None:
+        headers.append(("crs.key.size", str(len(src.key)).encode()))
+    if src.value is not None:
+        headers.append(("crs.value.size", str(len(src.value)).encode()))
+        headers.append(("crs.value.sha256", hashlib.sha256(src.value).hexdigest().encode()))
+    if error is not None:
+        headers.append(("crs.stub.error", clip(error, _STUB_REASON_BYTES).encode("utf-8")))
+    return OutRecord(
+        topic=out.topic, key=key, value=None, headers=headers, dead_letter=True, source=src
+    )
+
+
+def build_dead_letter(
+    topic: str,
+    source: DeadLetterSource,
+    headers: Headers | None,
+    bounds: DeadLetterBounds,
+    *,
+    max_value_bytes: int | None = None,
+) -> OutRecord:
+    """The dead letter for ``source``: the input's key, value and headers, within ``bounds``.
+
+    What does not fit is cut or left out, and a ``crs.*`` header says so:
+    ``crs.key.truncated`` (the key's original size; the key keeps its first bytes),
+    ``crs.headers.truncated`` (how many original header values were cut),
+    ``crs.headers.omitted`` (how many original headers were left out: name too long, or
+    over the total), ``crs.value.omitted`` (the value's size; the value is left out).
+    """
+    key = source.key
+    extra = dead_letter_headers(source.code, clip(source.reason, bounds.reason_bytes), source.ref)
+    if key is not None and len(key) > bounds.key_bytes:
+        extra.append(("crs.key.truncated", str(len(key)).encode()))
+        key = bytes(key[: bounds.key_bytes])
+    kept: list[tuple[str, bytes]] = []
+    used = cut = omitted = 0
+    for name, raw in headers or ():
+        if not isinstance(name, str) or name.startswith("crs."):
+            continue  # ours are replaced (a re-dead-lettered record gets fresh ones)
+        try:
+            name_bytes = len(name.encode("utf-8"))
+        except UnicodeEncodeError:
+            omitted += 1
+            continue
+        if name_bytes > bounds.header_name_bytes:
+            omitted += 1
+            continue
+        if raw is not None and len(raw) > bounds.header_value_bytes:
+            raw = bytes(raw[: bounds.header_value_bytes])
+            cut += 1
+        size = name_bytes + (0 if raw is None else len(raw)) + 10
+        if used + size > bounds.headers_bytes:
+            omitted += 1
+            continue
+        used += size
+        kept.append((name, raw))  # type: ignore[arg-type]  # Kafka allows null values
+    if cut:
+        extra.append(("crs.headers.truncated", str(cut).encode()))
+    if omitted:
+        extra.append(("crs.headers.omitted", str(omitted).encode()))
+    value = source.value
+    if value is not None:
+        # The value is kept whole or not at all: a cut value is neither the input nor
+        # parseable, and the original stays in the input topic at the named coordinates.
+        room = bounds.budget - record_size(key, None, [*kept, *extra]) - 32
+        too_big = max_value_bytes is not None and len(value) > max_value_bytes
+        if too_big or len(value) + _varint_size(len(value)) > room:
+            extra.append(("crs.value.omitted", str(len(value)).encode()))
+            value = None
+    return OutRecord(
+        topic=topic, key=key, value=value, headers=kept + extra, dead_letter=True, source=source
+    )
+
+
+class _LoggedOnce:
+    """Remembers the last few thousand dead letters logged (LRU)."""
+
+    def __init__(self, size: int = _LOGGED_MEMORY) -> None:
+        self._size = size
+        self._seen: OrderedDict[tuple[str, int, int, str], None] = OrderedDict()
+
+    def first_time(self, ref: InputRef, code: str) -> bool:
+        key = (ref.topic, ref.partition, ref.offset, code)
+        if key in self._seen:
+            self._seen.move_to_end(key)
+            return False
+        self._seen[key] = None
+        if len(self._seen) > self._size:
+            self._seen.popitem(last=False)
+        return True
 
 
 class RetryLater(Exception):
     """The event could not be processed now; try the same offset again later."""
 
     def __init__(self, error: BaseException, attempt: int) -> None:
-        super().__init__(str(error))
+        super().__init__(clip(str(error)))
         self.error = error
         self.attempt = attempt
 
 
 class Processor:
+    """Decides one record at a time; see the module docstring for the policy.
+
+    ``max_record_bytes`` is the producer's ``max_request_size``: every dead letter is
+    bounded to fit it (:class:`DeadLetterBounds`). ``max_dead_letter_value_bytes``
+    optionally lowers the largest value a dead letter carries.
+    """
+
     def __init__(
         self,
         recorder: Recorder,
@@ -65,7 +295,8 @@ class Processor:
         dlq_topic: str,
         max_event_bytes: int,
         max_attempts: int,
-        max_dead_letter_value_bytes: int = 1_000_000,
+        max_dead_letter_value_bytes: int | None = None,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     ) -> None:
         self._recorder = recorder
         self._metrics = metrics
@@ -74,6 +305,8 @@ class Processor:
         self._max_event_bytes = max_event_bytes
         self._max_attempts = max_attempts
         self._max_dead_letter_value = max_dead_letter_value_bytes
+        self.bounds = DeadLetterBounds.for_max_record_bytes(max_record_bytes)
+        self._logged = _LoggedOnce()
 
     @property
     def dlq_topic(self) -> str:
@@ -89,16 +322,52 @@ class Processor:
         attempt: int = 1,
     ) -> OutRecord:
         """Decide one record. Raises :class:`RetryLater` only; everything else is a record."""
+        try:
+            return await self._process(ref, key, value, headers, attempt)
+        except RetryLater:
+            raise
+        except Exception as exc:  # a bug in the error handling itself: still one record
+            log.exception(
+                "dead_letter_fallback",
+                topic=ref.topic,
+                partition=ref.partition,
+                offset=ref.offset,
+                code=INTERNAL_ERROR,
+            )
+            reason = clip(f"{type(exc).__name__}: {exc}")
+            source = DeadLetterSource(ref, INTERNAL_ERROR, reason, key, value)
+            out = OutRecord(self._dlq_topic, None, None, [], dead_letter=True, source=source)
+            return stub_dead_letter(out)
+
+    async def _process(
+        self,
+        ref: InputRef,
+        key: bytes | None,
+        value: bytes | None,
+        headers: Headers | None,
+        attempt: int,
+    ) -> OutRecord:
         started = time.perf_counter()
         bound = log.bind(topic=ref.topic, partition=ref.partition, offset=ref.offset)
         try:
-            event = decode_input(value, headers, max_bytes=self._max_event_bytes, key=key)
+            try:
+                event = decode_input(value, headers, max_bytes=self._max_event_bytes, key=key)
+            except Poison:
+                raise
+            except Exception as exc:  # decode_input promises Poison only; a bug breaks that
+                raise Poison.internal_error(exc) from exc
         except Poison as poison:
-            bound.warning("dead_letter", code=poison.code, reason=poison.reason)
+            if self._logged.first_time(ref, poison.code):
+                if poison.internal:
+                    bound.error(
+                        "dead_letter", code=poison.code, reason=poison.reason, exc_info=poison
+                    )
+                else:
+                    bound.warning("dead_letter", code=poison.code, reason=poison.reason)
             return self._dead_letter(ref, key, value, headers, poison.code, poison.reason)
 
         request = event.data.request
-        bound = bound.bind(event_id=event.id, instance_uuid=request.instance_uuid)
+        bound = bound.bind(event_id=clip(event.id), instance_uuid=clip(request.instance_uuid))
         try:
             outcome = await self._recorder.record(event.data.decision, request)
             encoded = encode_output(event, ref, outcome)
@@ -106,19 +375,22 @@ class Processor:
             # 401/403 is a deployment problem (RBAC, credentials) that an operator fixes:
             # the events wait, paused, instead of all going to the dead-letter topic.
             retryable = exc.retryable or isinstance(exc, ForbiddenError)
+            error = clip(f"{type(exc).__name__}: {exc}")
             if retryable and attempt < self._max_attempts:
-                bound.warning("retry_later", attempt=attempt, error=str(exc))
+                bound.warning("retry_later", attempt=attempt, error=error)
                 reason = "k8s_unavailable" if exc.retryable else "k8s_forbidden"
                 self._metrics.retries.labels(reason).inc()
                 raise RetryLater(exc, attempt) from exc
             code = "retries_exhausted" if retryable else "k8s_error"
-            bound.error("dead_letter", code=code, attempt=attempt, error=str(exc))
-            return self._dead_letter(ref, key, value, headers, code, f"{type(exc).__name__}: {exc}")
+            if self._logged.first_time(ref, code):
+                bound.error("dead_letter", code=code, attempt=attempt, error=error)
+            return self._dead_letter(ref, key, value, headers, code, error)
         except Exception as exc:  # a bug must cost one event, not the service
-            bound.exception("dead_letter", code="internal_error")
-            return self._dead_letter(
-                ref, key, value, headers, "internal_error", f"{type(exc).__name__}: {exc}"
-            )
+            code = "internal_error"  # the same code as a failure while decoding
+            if self._logged.first_time(ref, code):
+                bound.exception("dead_letter", code=code)
+            reason = clip(f"{type(exc).__name__}: {exc}")
+            return self._dead_letter(ref, key, value, headers, code, reason)
 
         self._count(outcome)
         self._metrics.processing.observe(time.perf_counter() - started)
@@ -154,18 +426,11 @@ class Processor:
         reason: str,
     ) -> OutRecord:
         self._metrics.dead_letters.labels(code).inc()
-        original = [(k, v) for k, v in (headers or []) if not k.startswith("crs.")]
-        extra = dead_letter_headers(code, reason, ref)
-        if value is not None and len(value) > self._max_dead_letter_value:
-            # Too large to produce (the broker's and producer's 1 MiB record limits): a
-            # record that can never be sent would block its batch forever. The original
-            # stays in the input topic at the coordinates the headers name.
-            extra.append(("crs.value.omitted", str(len(value)).encode()))
-            value = None
-        return OutRecord(
-            topic=self._dlq_topic,
-            key=key,
-            value=value,
-            headers=original + extra,
-            dead_letter=True,
+        source = DeadLetterSource(ref=ref, code=code, reason=reason, key=key, value=value)
+        return build_dead_letter(
+            self._dlq_topic,
+            source,
+            headers,
+            self.bounds,
+            max_value_bytes=self._max_dead_letter_value,
         )
