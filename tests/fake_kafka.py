@@ -35,7 +35,7 @@ class FakeBroker:
         self.committed: dict[tuple[str, TopicPartition], OffsetAndMetadata] = {}
         self.epochs: dict[str, int] = {}
         self.outputs: list[Rec] = []  # committed output records, in commit order
-        self.max_value_bytes = 1 << 20
+        self.max_value_bytes = 1 << 20  # of a whole record: key, value, headers
         self.fail_commits = 0  # the next N commits fail with a connection error
         self.commits = 0
         self.data = asyncio.Event()
@@ -95,7 +95,9 @@ class FakeProducer:
         headers: list[tuple[str, bytes]] | None = None,
     ) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if value is not None and len(value) > self.broker.max_value_bytes:
+        size = len(key or b"") + len(value or b"")
+        size += sum(len(n) + len(v or b"") for n, v in headers or [])
+        if size > self.broker.max_value_bytes:
             fut.set_exception(MessageSizeTooLargeError())
         else:
             rec = Rec(topic, 0, -1, key, value, list(headers or []))

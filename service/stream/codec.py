@@ -64,6 +64,7 @@ __all__ = [
     "MAX_LOGGED_BYTES",
     "MAX_REASON_BYTES",
     "OUTPUT_ID_NAMESPACE",
+    "OUTPUT_REJECTED",
     "OUTPUT_SOURCE",
     "OUTPUT_TYPE",
     "POISON_CODES",
@@ -102,6 +103,9 @@ _MAX_POISON_REASON_BYTES: Final = 512
 # The catch-all code for an unexpected exception (a bug): the processor uses it for
 # failures while recording, decode_input for failures while decoding.
 INTERNAL_ERROR: Final = "internal_error"
+# A classification the output topic refused (e.g. a tiny max.message.bytes): the engine
+# publishes a stub dead letter with this code instead of replaying forever.
+OUTPUT_REJECTED: Final = "output_rejected"
 
 
 class PoisonCode(StrEnum):

@@ -41,14 +41,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import hashlib
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Generator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
 from aiokafka.errors import (
@@ -64,10 +62,16 @@ from aiokafka.errors import (
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
 from service.stream import deferred
-from service.stream.codec import InputRef, dead_letter_headers, decode_input
+from service.stream.codec import INTERNAL_ERROR, OUTPUT_REJECTED, InputRef, clip, decode_input
 from service.stream.ledger import CommitPlan, Ledger
 from service.stream.metrics import StreamMetrics
-from service.stream.processor import OutRecord, Processor, RetryLater
+from service.stream.processor import (
+    DeadLetterSource,
+    OutRecord,
+    Processor,
+    RetryLater,
+    stub_dead_letter,
+)
 
 __all__ = ["StreamService", "StreamSettings", "transactional_id_for"]
 
@@ -380,27 +384,30 @@ class StreamService:
                     out = self._internal_error(ref, record, exc)
             if out is not None:
                 if record.offset in self._oversized.get(tp, ()):
-                    out = _stub(
-                        out,
-                        self._processor.dlq_topic,
-                        ref,
-                        record,
-                        "output larger than the broker accepts",
-                    )
+                    out = self._stub(out, ref, record)
                 return _Done(out, counts)
             # The cluster cannot take it now: this key waits, the others go on.
             await asyncio.sleep(self._backoff(attempt))
             attempt += 1
 
     def _internal_error(self, ref: InputRef, record: ConsumerRecord, exc: Exception) -> OutRecord:
-        reason = f"{type(exc).__name__}: {str(exc)[:200]}"
-        return OutRecord(
-            topic=self._processor.dlq_topic,
-            key=record.key,
-            value=None,
-            headers=dead_letter_headers("internal_error", reason, ref),
-            dead_letter=True,
-        )
+        reason = clip(f"{type(exc).__name__}: {exc}")
+        source = DeadLetterSource(ref, INTERNAL_ERROR, reason, record.key, record.value)
+        dlq = self._processor.dlq_topic
+        return stub_dead_letter(OutRecord(dlq, None, None, [], dead_letter=True, source=source))
+
+    def _stub(self, out: OutRecord, ref: InputRef, record: ConsumerRecord) -> OutRecord:
+        """What to publish instead of an output the broker refused (issue 10).
+
+        A dead letter becomes its stub; a classification the output topic refuses (a
+        topic configured with a tiny max.message.bytes) becomes a stub dead letter with
+        code ``output_rejected``, so the input still ends somewhere visible.
+        """
+        if out.source is None:
+            reason = f"the output topic {out.topic} refused the classification"
+            source = DeadLetterSource(ref, OUTPUT_REJECTED, reason, record.key, record.value)
+            out = OutRecord(self._processor.dlq_topic, None, None, [], True, source)
+        return stub_dead_letter(out, error="record refused by the broker as too large")
 
     # ------------------------------------------------------------------ commits
 
@@ -783,38 +790,3 @@ async def _close_quietly(producer: Any) -> None:
         await producer.stop()
     except Exception as exc:  # a fenced or broken producer may fail to close
         log.debug("producer_close_failed", error=repr(exc)[:200])
-
-
-def _stub(
-    out: OutRecord, dlq_topic: str, ref: InputRef, record: ConsumerRecord, why: str
-) -> OutRecord:
-    """A dead letter that always fits: coordinates, sizes and a hash instead of the data."""
-    code = "output_too_large"
-    for name, value in out.headers:
-        if name == "crs.error":
-            code = value.decode("utf-8", "replace")[:64]
-    value = record.value or b""
-    digest = hashlib.sha256(value).hexdigest()
-    headers = dead_letter_headers(code, why, ref)
-    headers += [
-        ("crs.stub", b"true"),
-        ("crs.value.sha256", digest.encode()),
-        ("crs.value.size", str(len(value)).encode()),
-        ("crs.key.size", str(len(record.key or b"")).encode()),
-    ]
-    # A record needs a key or a value: the stub's value is this small description.
-    body = _STUB_ENCODER.encode(
-        {
-            "stub": True,
-            "code": code,
-            "reason": why,
-            "source": {"topic": ref.topic, "partition": ref.partition, "offset": ref.offset},
-            "value_size": len(value),
-            "key_size": len(record.key or b""),
-            "value_sha256": digest,
-        }
-    )
-    return OutRecord(topic=dlq_topic, key=None, value=body, headers=headers, dead_letter=True)
-
-
-_STUB_ENCODER = msgspec.json.Encoder()

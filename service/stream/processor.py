@@ -186,8 +186,21 @@ def stub_dead_letter(out: OutRecord, *, error: str | None = None) -> OutRecord:
     if error is not None:
         headers.append(("crs.stub.error", clip(error, _STUB_REASON_BYTES).encode("utf-8")))
     return OutRecord(
-        topic=out.topic, key=key, value=None, headers=headers, dead_letter=True, source=src
+        topic=out.topic,
+        key=_key_or_coordinates(key, None, src.ref),
+        value=None,
+        headers=headers,
+        dead_letter=True,
+        source=src,
     )
+
+
+def _key_or_coordinates(key: bytes | None, value: bytes | None, ref: InputRef) -> bytes | None:
+    """A Kafka record needs a key or a value (aiokafka refuses neither): a dead letter
+    that has neither is keyed by its source coordinates ``topic/partition/offset``."""
+    if key is None and value is None:
+        return f"{ref.topic}/{ref.partition}/{ref.offset}".encode()
+    return key
 
 
 def build_dead_letter(
@@ -247,7 +260,12 @@ def build_dead_letter(
             extra.append(("crs.value.omitted", str(len(value)).encode()))
             value = None
     return OutRecord(
-        topic=topic, key=key, value=value, headers=kept + extra, dead_letter=True, source=source
+        topic=topic,
+        key=_key_or_coordinates(key, value, source.ref),
+        value=value,
+        headers=kept + extra,
+        dead_letter=True,
+        source=source,
     )
 
 
