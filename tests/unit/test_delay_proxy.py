@@ -18,7 +18,8 @@ from tests.conftest import REPO
 def _load() -> ModuleType:
     # bench/ is a directory of scripts, not a package.
     spec = importlib.util.spec_from_file_location("delay_proxy", REPO / "bench" / "delay_proxy.py")
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -67,7 +68,8 @@ async def test_each_direction_gets_the_delay_and_bytes_pass_unchanged(echo_port:
         small, small_rtt = await _roundtrip(proxy.port, b"ping")
         assert small == b"ping"
         assert proxy.connections == 2
-    assert direct == b"x" and direct_s < ONE_WAY_S
+    assert direct == b"x"
+    assert direct_s < ONE_WAY_S
     # Two one-way delays (there and back), not more: the proxy adds latency, not queueing.
     assert 2 * ONE_WAY_S <= small_rtt < 2 * ONE_WAY_S + 0.08, small_rtt
     assert 2 * ONE_WAY_S <= rtt < 2 * ONE_WAY_S + 0.5, rtt
