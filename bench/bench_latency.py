@@ -102,7 +102,7 @@ async def one_run(
         await wait_group_stable(bootstrap, group, 1, 60)
         await reader.start()
         sent = await publish_paced(bootstrap, topics["input"], records, rate)
-        drained = await reader.wait_for(sent, timeout_s=max(60.0, 4 * args.seconds))
+        drained = await reader.wait_for(sent, timeout_s=max(120.0, 6 * args.seconds))
         await asyncio.sleep(0.5)  # anything beyond one output per input shows up too
         if proc.poll() is not None:
             raise WorkloadError(f"{who} exited with {proc.returncode} (log {log})")
