@@ -145,6 +145,7 @@ async def main() -> int:
         print(await cluster.ensure(args.hypervisors))
 
     rows: list[tuple[float, list[float], list[float]]] = []
+    failed = ""
     try:
         for rate in rates:
             raw: list[float] = []
@@ -159,8 +160,7 @@ async def main() -> int:
                 flush=True,
             )
     except WorkloadError as exc:
-        print(f"WORKLOAD FAILED: {exc}")
-        return 1
+        failed = f"WORKLOAD FAILED: {exc}"  # the rates measured so far are still shown
 
     print()
     print(
@@ -185,6 +185,9 @@ async def main() -> int:
         f"goal service p99 <= raw p99 up to {GOAL_UP_TO:.0f}/s: "
         f"{'met' if goal else 'MISSED'}   [{load()}]"
     )
+    if failed:
+        print(failed)
+        return 1
     return 0
 
 
