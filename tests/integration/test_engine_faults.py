@@ -491,16 +491,14 @@ async def test_api_server_frozen_does_not_hold_events_that_need_no_api_call(
             f"p99 {p99:.2f}s > 2s for no-API events during the freeze; "
             f"(n, median s, p99 s) by kind {summary}"
         )
-    for check in (
-        lambda: check_exactly_once(outputs, dead, ends, w),
-        lambda: check_allocations(clean_k8s, w),
-    ):
-        try:
-            result = check()
-            if result is not None:
-                await result
-        except AssertionError as exc:
-            problems.append(str(exc).splitlines()[0])
+    try:
+        check_exactly_once(outputs, dead, ends, w)
+    except AssertionError as exc:
+        problems.append(str(exc).splitlines()[0])
+    try:
+        await check_allocations(clean_k8s, w)
+    except AssertionError as exc:
+        problems.append(str(exc).splitlines()[0])
     if set(codes.values()) != {0}:
         problems.append(f"exit codes {codes}\n{replicas.logs()}")
     assert not problems, "\n".join(problems)
