@@ -543,3 +543,302 @@ def sample_sum(runtime: Runtime, name: str) -> float:
         for s in family.samples
         if s.name == name
     )
+
+
+# --------------------------------------------------------------------------- processes
+#
+# The engine benchmarks (bench_latency, bench_placements, bench_cpu) run the service and
+# its raw reference loops as separate processes and judge them only from the outside:
+# the group's committed offsets, what a read_committed reader sees, the objects in the
+# API server and the process's CPU times in /proc. Nothing depends on the engine's
+# internals, so the same scripts measure the engine before and after a rewrite.
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_DIR = BENCH_DIR.parent
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def service_env(cfg: Config, **extra: str) -> dict[str, str]:
+    """The environment of ``python -m service run`` for ``cfg`` (plus ``extra``)."""
+    from service.app.config import SETTINGS
+
+    env = dict(os.environ)
+    for s in SETTINGS:
+        value = getattr(cfg, s.field)
+        if value is not None:
+            env[s.env] = str(value).lower() if isinstance(value, bool) else str(value)
+    env.update(extra)
+    return env
+
+
+def spawn(args: Sequence[str], env: dict[str, str] | None, log_path: str) -> Any:
+    """A child process (stdout+stderr to ``log_path``), in its own process group."""
+    import subprocess
+
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            list(args),
+            cwd=REPO_DIR,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def spawn_service(cfg: Config, log_path: str, **extra: str) -> Any:
+    return spawn([sys.executable, "-m", "service", "run"], service_env(cfg, **extra), log_path)
+
+
+def stop_process(proc: Any, timeout_s: float = 40) -> int:
+    import signal
+    import subprocess
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return int(proc.wait(timeout=timeout_s))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return int(proc.wait(timeout=10))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a live process so far (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def wait_http_ok(url: str, timeout_s: float, proc: Any = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"process exited ({proc.returncode}) before {url} was OK")
+            try:
+                async with session.get(url) as r:
+                    if r.status == 200:
+                        return
+                    last = f"{r.status} {(await r.text())[:200]}"
+            except aiohttp.ClientError as exc:
+                last = str(exc)
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"{url} not OK after {timeout_s}s: {last}")
+
+
+async def group_state(bootstrap: str, group: str) -> tuple[str, int]:
+    """(state, members) of a consumer group; ("unknown", 0) while it cannot be read."""
+    from aiokafka.errors import KafkaError
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        (response,) = await admin.describe_consumer_groups([group])
+        _error, _gid, state, _ptype, _protocol, members, *_ = response.groups[0]
+        return str(state), len(members)
+    except KafkaError:
+        return "unknown", 0
+    finally:
+        await admin.close()
+
+
+async def wait_group_stable(bootstrap: str, group: str, members: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    seen: tuple[str, int] = ("", 0)
+    while time.monotonic() < deadline:
+        seen = await group_state(bootstrap, group)
+        if seen == ("Stable", members):
+            return
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"group {group}: not Stable with {members} members after {timeout_s}s")
+
+
+async def wait_committed(
+    bootstrap: str, group: str, topic: str, n: int, timeout_s: float, proc: Any = None
+) -> float:
+    """Wait until ``group`` has committed ``n`` records of ``topic`` (offsets summed over
+    partitions; the input topics here are not transactional, so offsets count records).
+    Returns the perf_counter time it was seen; raises when it does not happen."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        done = 0
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"process exited ({proc.returncode}); {done}/{n} committed")
+            found = await admin.list_consumer_group_offsets(group)
+            done = sum(m.offset for tp, m in found.items() if tp.topic == topic and m.offset > 0)
+            if done >= n:
+                return time.perf_counter()
+            await asyncio.sleep(0.05)
+        raise TimeoutError(f"{done}/{n} records of {topic} committed in {timeout_s}s")
+    finally:
+        await admin.close()
+
+
+class OutputReader:
+    """A read_committed reader of one topic that stamps the arrival of each record by key
+    (``time.monotonic``); values are kept for the workload checks."""
+
+    def __init__(self, bootstrap: str, topic: str, partitions: int) -> None:
+        from aiokafka import AIOKafkaConsumer
+        from aiokafka.structs import TopicPartition
+
+        self.seen: dict[bytes, float] = {}
+        self.values: list[bytes] = []
+        self.count = 0
+        self._tps = [TopicPartition(topic, p) for p in range(partitions)]
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=bootstrap,
+            isolation_level="read_committed",
+            auto_offset_reset="earliest",
+            enable_auto_commit=False,
+            fetch_max_wait_ms=50,
+        )
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self._consumer.start()
+        self._consumer.assign(self._tps)
+        await self._consumer.seek_to_beginning(*self._tps)
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            batch = await self._consumer.getmany(timeout_ms=100)
+            now = time.monotonic()
+            for records in batch.values():
+                for r in records:
+                    self.count += 1
+                    self.values.append(r.value)
+                    if r.key is not None:
+                        self.seen.setdefault(bytes(r.key), now)
+
+    async def wait_for(self, keys: Iterable[bytes], timeout_s: float) -> bool:
+        wanted = set(keys)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if wanted.issubset(self.seen):
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._consumer.stop()
+
+
+def proxied_kubeconfig(kubeconfig: str, port: int, path: str) -> str:
+    """A copy of ``kubeconfig`` whose server is ``https://127.0.0.1:port`` (the proxy)."""
+    import re
+
+    text = Path(kubeconfig).read_text()
+    text, n = re.subn(r"server: https://[^\s]+", f"server: https://127.0.0.1:{port}", text)
+    if n != 1:
+        raise ValueError(f"expected one server in {kubeconfig}, found {n}")
+    Path(path).write_text(text)
+    return path
+
+
+def apiserver_address(kubeconfig: str) -> tuple[str, int]:
+    import re
+
+    found = re.search(r"server: https://([^:\s]+):(\d+)", Path(kubeconfig).read_text())
+    if found is None:
+        raise ValueError(f"no https server with a port in {kubeconfig}")
+    return found.group(1), int(found.group(2))
+
+
+@contextlib.asynccontextmanager
+async def delay_proxy_process(
+    upstream: tuple[str, int], one_way_ms: float, log_path: str
+) -> AsyncIterator[int]:
+    """bench/delay_proxy.py as a child process; yields the port it listens on."""
+    proc = spawn(
+        [
+            sys.executable,
+            str(BENCH_DIR / "delay_proxy.py"),
+            "--upstream",
+            f"{upstream[0]}:{upstream[1]}",
+            "--one-way-ms",
+            str(one_way_ms),
+        ],
+        None,
+        log_path,
+    )
+    try:
+        deadline = time.monotonic() + 15
+        port = 0
+        while not port:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"delay proxy did not start: {Path(log_path).read_text()}")
+            for line in Path(log_path).read_text().splitlines():
+                if " -> " in line:
+                    port = int(line.split()[0].rsplit(":", 1)[1])
+            await asyncio.sleep(0.05)
+        yield port
+    finally:
+        stop_process(proc, timeout_s=5)
+
+
+def raw_eos_args(
+    bootstrap: str, input_topic: str, output_topic: str, group: str, max_batch: int = 500
+) -> list[str]:
+    """The command line of the raw EOS pass-through loop (bench/raw_eos.py)."""
+    return [
+        sys.executable,
+        str(BENCH_DIR / "raw_eos.py"),
+        "--bootstrap",
+        bootstrap,
+        "--input",
+        input_topic,
+        "--output",
+        output_topic,
+        "--group",
+        group,
+        "--max-batch",
+        str(max_batch),
+    ]
+
+
+async def publish_paced(
+    bootstrap: str, topic: str, records: Sequence[Record], rate: float
+) -> dict[bytes, float]:
+    """Publish at ``rate`` records/s; returns each key's send time (``time.monotonic``).
+
+    Sends are not awaited one by one (that would cap the rate at one round trip per
+    record); the deliveries are awaited at the end, and any failure raises."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await producer.start()
+    sent: dict[bytes, float] = {}
+    futures: list[Any] = []
+    try:
+        t0 = time.monotonic()
+        for i, (key, value, headers, partition) in enumerate(records):
+            wait = t0 + i / rate - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            assert key is not None
+            sent[key] = time.monotonic()
+            futures.append(
+                await producer.send(topic, value, key=key, headers=headers, partition=partition)
+            )
+        achieved = len(records) / max(time.monotonic() - t0, 1e-9)
+        await asyncio.gather(*futures)
+        if achieved < 0.9 * rate:
+            raise RuntimeError(f"published at {achieved:.0f}/s, wanted {rate:.0f}/s")
+    finally:
+        await producer.stop()
+    return sent

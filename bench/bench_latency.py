@@ -1,0 +1,210 @@
+"""Issue 11, benchmark 1: end-to-end latency at fixed publish rates.
+
+Run: ``.venv/bin/python bench/bench_latency.py [--rates 20,100,200,400] [--seconds 30]
+[--partitions 4] [--quick]``
+
+Measured: for each rate, the time from publishing an input record until its output is
+seen by a ``read_committed`` reader (so: committed), p50/p95/p99, for
+
+* the service (``python -m service run``, its own process, defaults: watch mode,
+  exactly-once, batch 500), on a stream of which half are ``slot_used`` placements (one
+  guarded PATCH each, project ``p-bench`` on one of ``--hosts`` hosts) and half
+  no-host-found outcomes (decided from the watch cache);
+* the raw aiokafka EOS pass-through loop (``bench/raw_eos.py``, its own process) on the
+  same kind of stream: what Kafka alone costs.
+
+Why it is fair: same broker, fresh topics (``--partitions`` input partitions, as many
+output partitions) and a fresh group for every run; both processes are started and have
+joined their group (the service's watch cache synced: ``/readyz``) before the first
+record is published; the same publisher (paced sends, acks=all) and the same reader
+(fetch wait 50 ms) measure both. Raw and service alternate per rate. The placements'
+Reservations have their allocations cleared before each service run.
+
+Fails (exit 1) when the workload did not happen: the rate not reached by the publisher,
+an output missing after the drain timeout (shown as an infinite latency, the
+other rates are still measured), one output too many, or for the service a placement
+that was not written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import uuid
+
+import msgspec
+from _common import (
+    Cluster,
+    OutputReader,
+    Record,
+    create_topics,
+    delete_topics,
+    env_endpoints,
+    free_port,
+    load,
+    no_host_found,
+    pct,
+    publish_paced,
+    raw_eos_args,
+    service_config,
+    slot_used,
+    spawn,
+    spawn_service,
+    stop_process,
+    topic_name,
+    wait_group_stable,
+    wait_http_ok,
+)
+
+GOAL_UP_TO = 200.0
+
+
+class WorkloadError(RuntimeError):
+    """The run did not do what the benchmark describes: its figures mean nothing."""
+
+
+def stream(rng: random.Random, n: int, hosts: int, n_hv: int) -> tuple[list[Record], int]:
+    """n records alternating slot_used placement / no-host-found; returns (records, placements)."""
+    records = [
+        slot_used(rng, rng.randrange(hosts), n_hv) if i % 2 == 0 else no_host_found(rng, n_hv)
+        for i in range(n)
+    ]
+    return records, (n + 1) // 2
+
+
+async def one_run(
+    who: str,
+    rate: float,
+    args: argparse.Namespace,
+    bootstrap: str,
+    kubeconfig: str,
+    rep: int,
+    failures: list[str],
+) -> list[float]:
+    """Latencies (s) of every record of one run (inf: never seen; then the problem is
+    added to ``failures``); raises WorkloadError when the run cannot be measured."""
+    topics = {k: topic_name(f"lat-{who}-{k}") for k in ("input", "output", "dlq")}
+    await create_topics(
+        bootstrap, {t: 1 if k == "dlq" else args.partitions for k, t in topics.items()}
+    )
+    log = f"/tmp/crs-bench-latency-{who}-{int(rate)}-{rep}.log"
+    rng = random.Random(args.seed * 1000 + int(rate) * 10 + rep)
+    records, placements = stream(rng, int(rate * args.seconds), args.hosts, args.hypervisors)
+    reader = OutputReader(bootstrap, topics["output"], args.partitions)
+    proc = None
+    try:
+        if who == "service":
+            async with Cluster.connect(kubeconfig) as cluster:
+                await cluster.clear_allocations(f"res-{h:05d}-0" for h in range(args.hosts))
+            port = free_port()
+            cfg = service_config(bootstrap, kubeconfig, topics, "lat", CRS_HTTP_PORT=str(port))
+            group = cfg.group_id
+            proc = spawn_service(cfg, log)
+            await wait_http_ok(f"http://127.0.0.1:{port}/readyz", 120, proc)
+        else:
+            group = f"g-raw-{uuid.uuid4().hex[:8]}"
+            raw_args = raw_eos_args(bootstrap, topics["input"], topics["output"], group)
+            proc = spawn(raw_args, None, log)
+        await wait_group_stable(bootstrap, group, 1, 60)
+        await reader.start()
+        sent = await publish_paced(bootstrap, topics["input"], records, rate)
+        drained = await reader.wait_for(sent, timeout_s=max(120.0, 6 * args.seconds))
+        await asyncio.sleep(0.5)  # anything beyond one output per input shows up too
+        if proc.poll() is not None:
+            raise WorkloadError(f"{who} exited with {proc.returncode} (log {log})")
+        missing = len(set(sent) - set(reader.seen))
+        if not drained or missing:
+            # Shown as an infinite latency in the table, then the run fails.
+            drain = max(120.0, 6 * args.seconds)
+            failures.append(
+                f"{who} at {rate:g}/s: {missing} of {len(sent)} outputs missing "
+                f"{drain:.0f} s after the last publish"
+            )
+            return [reader.seen.get(k, float("inf")) - t for k, t in sent.items()]
+        if reader.count != len(sent):
+            raise WorkloadError(f"{who}: {reader.count} outputs for {len(sent)} inputs")
+        if who == "service":
+            datas = [msgspec.json.decode(v)["data"] for v in reader.values]
+            written = sum(
+                d["cr_slot"] == "slot_used" and d["allocation"] == "written" for d in datas
+            )
+            if written != placements:
+                raise WorkloadError(f"{written} allocations written for {placements} placements")
+        return [reader.seen[k] - t for k, t in sent.items()]
+    finally:
+        await reader.stop()
+        if proc is not None:
+            stop_process(proc)
+        await delete_topics(bootstrap, list(topics.values()))
+
+
+async def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rates", default="20,100,200,400")
+    ap.add_argument("--seconds", type=float, default=30.0, help="publishing time per run")
+    ap.add_argument("--partitions", type=int, default=4)
+    ap.add_argument("--hosts", type=int, default=400, help="distinct placement targets")
+    ap.add_argument("--hypervisors", type=int, default=500)
+    ap.add_argument("--repetitions", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--quick", action="store_true", help="10 s per run")
+    args = ap.parse_args()
+    if args.quick:
+        args.seconds = 10.0
+    rates = [float(r) for r in args.rates.split(",")]
+    bootstrap, kubeconfig = env_endpoints()
+    async with Cluster.connect(kubeconfig) as cluster:
+        print(await cluster.ensure(args.hypervisors))
+
+    rows: list[tuple[float, list[float], list[float]]] = []
+    failures: list[str] = []
+    try:
+        for rate in rates:
+            raw: list[float] = []
+            svc: list[float] = []
+            for rep in range(args.repetitions):
+                raw += await one_run("raw", rate, args, bootstrap, kubeconfig, rep, failures)
+                svc += await one_run("service", rate, args, bootstrap, kubeconfig, rep, failures)
+            rows.append((rate, raw, svc))
+            print(
+                f"  {rate:5.0f}/s  raw p99 {pct(raw, 0.99) * 1e3:8.1f} ms   "
+                f"service p99 {pct(svc, 0.99) * 1e3:8.1f} ms   [{load()}]",
+                flush=True,
+            )
+    except WorkloadError as exc:
+        failures.append(str(exc))  # the rates measured so far are still shown
+
+    print()
+    print(
+        f"publish -> committed output (read_committed), ms; half slot_used placements, "
+        f"{args.partitions} partitions, {args.seconds:g} s per run"
+    )
+    print(
+        f"{'rate/s':>7} {'events':>7} | {'raw p50':>8} {'p95':>7} {'p99':>7} | "
+        f"{'svc p50':>8} {'p95':>7} {'p99':>8} | {'p99 svc/raw':>11}"
+    )
+    goal = True
+    for rate, raw, svc in rows:
+        r = [pct(raw, q) * 1e3 for q in (0.5, 0.95, 0.99)]
+        s = [pct(svc, q) * 1e3 for q in (0.5, 0.95, 0.99)]
+        print(
+            f"{rate:7.0f} {len(svc):7d} | {r[0]:8.1f} {r[1]:7.1f} {r[2]:7.1f} | "
+            f"{s[0]:8.1f} {s[1]:7.1f} {s[2]:8.1f} | {s[2] / r[2]:11.2f}"
+        )
+        if rate <= GOAL_UP_TO and s[2] > r[2]:
+            goal = False
+    print(
+        f"goal service p99 <= raw p99 up to {GOAL_UP_TO:.0f}/s: "
+        f"{'met' if goal else 'MISSED'}   [{load()}]"
+    )
+    for failure in failures:
+        print(f"WORKLOAD FAILED: {failure}")
+    if failures:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

@@ -1,0 +1,564 @@
+"""Acceptance of the stream engine under faults (issue 11), on the real dev stack.
+
+Replicas run as separate OS processes (``python -m service run``) and are frozen with
+SIGSTOP, the way a GC pause, CPU starvation or a VM freeze stops a process while its
+sockets stay open. What they produced is read back with a ``read_committed`` reader and
+the group's committed offsets, never taken from the service's own counters.
+
+Settings the tests assume the engine honours (passed as environment variables to every
+replica; an engine that ignores them runs with its defaults):
+
+* ``CRS_SESSION_TIMEOUT_MS`` (6000: the broker's minimum), so a frozen replica is
+  evicted quickly. The frozen-replica test does not depend on the value: it holds the
+  replica stopped until the group has evicted it.
+* ``CRS_TRANSACTIONAL_ID_PREFIX``, the same for every replica of a group, while each
+  replica's ``CRS_TRANSACTIONAL_ID`` differs, as pod names do in a Deployment: fencing
+  must come from what the replicas share (partition-bound ids), not from the
+  per-replica id.
+
+The input is a mix of the three kinds of event that matter to the engine: no-host-found
+outcomes and placements of a project without commitment (both decided from the watch
+cache, no API call) and ``slot_used`` placements (one guarded PATCH each), plus a few
+poison records for the dead-letter topic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
+from aiokafka.structs import ConsumerRecord, TopicPartition
+
+from service.quantity import parse_quantity
+from tests import e2e
+from tests import factories as f
+from tests.conftest import DevStack
+from tests.integration import test_service_resilience as resilience
+
+pytestmark = pytest.mark.integration
+
+GiB = 1024**3
+VM_BYTES = 4 * GiB  # m1.small in flavor group g1
+NO_CR_PROJECT = "p-none"  # has no CommittedResource: placements are no_cr, no API call
+
+NO_HOST_FOUND = "no_host_found"
+NO_CR = "no_cr_placement"
+SLOT_USED = "slot_used_placement"
+NEEDS_NO_API = (NO_HOST_FOUND, NO_CR)
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+async def seed(api: Any, *, hosts: int, slots_per_host: int, slot_memory: str) -> list[str]:
+    """Hosts with ``slots_per_host`` p1 slots each; p1 has a large active commitment."""
+    names = [f"hv-{i}" for i in range(hosts)]
+    for name in names:
+        await f.create(api, f.hypervisor(name, memory="8Ti"))
+        for s in range(slots_per_host):
+            await f.create(api, f.reservation(f"slot-{name}-{s}", host=name, memory=slot_memory))
+    await f.create(api, f.knowledge([f.flavor_group("g1", [f.flavor("m1.small", 4096, 2)])]))
+    await f.create(api, f.committed_resource("cr-p1", project="p1", amount="1000Ti", used="0"))
+    return names
+
+
+async def reservations(api: Any) -> dict[str, dict[str, Any]]:
+    from kubernetes_asyncio import client
+
+    listed = await client.CustomObjectsApi(api).list_cluster_custom_object(*f.RES)
+    return {item["metadata"]["name"]: item for item in listed["items"]}
+
+
+# --------------------------------------------------------------------------- events
+
+
+@dataclass
+class Workload:
+    records: list[Any] = field(default_factory=list)
+    kind_of: dict[str, str] = field(default_factory=dict)  # instance uuid -> kind of event
+    poison: int = 0
+
+    def add(self, kind: str, hosts: list[str], rng: random.Random) -> None:
+        target = rng.choice(hosts)
+        others = [target, *rng.sample(hosts, min(2, len(hosts)))]
+        if kind == NO_HOST_FOUND:
+            vm, decision, request = e2e.outcome(None, others)
+        elif kind == NO_CR:
+            vm, decision, request = e2e.outcome(target, others, project=NO_CR_PROJECT)
+        else:
+            vm, decision, request = e2e.outcome(target, [target])
+        self.records.append(e2e.good_record(vm, decision, request))
+        self.kind_of[vm] = kind
+
+    def add_poison(self, rng: random.Random) -> None:
+        self.records.append((f"poison-{rng.random()}".encode(), b"{not json", []))
+        self.poison += 1
+
+
+def mixed(hosts: list[str], n: int, seed: int, *, poison_every: int = 100) -> Workload:
+    """``n`` events: a third each of no-host-found, no-CR and slot_used placements,
+    and one poison record every ``poison_every``."""
+    rng = random.Random(seed)
+    w = Workload()
+    kinds = (NO_HOST_FOUND, NO_CR, SLOT_USED)
+    for i in range(n):
+        if poison_every and i % poison_every == poison_every - 1:
+            w.add_poison(rng)
+        else:
+            w.add(kinds[i % 3], hosts, rng)
+    return w
+
+
+# --------------------------------------------------------------------------- replicas
+
+
+@dataclass
+class Replicas:
+    """Service processes of one test; all are resumed and stopped at teardown."""
+
+    devstack: DevStack
+    log_dir: Path
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def spawn(self, name: str, topics: dict[str, str], **settings: str) -> None:
+        cfg = e2e.config(
+            self.devstack, topics, CRS_TRANSACTIONAL_ID=f"tx-{topics['input']}-{name}", **settings
+        )
+        self.procs[name] = e2e.spawn(cfg, str(self.log_dir / f"{name}.log"))
+
+    def logs(self, limit: int = 2500) -> str:
+        parts = []
+        for name in self.procs:
+            text = (self.log_dir / f"{name}.log").read_text(errors="replace")
+            parts.append(f"--- {name} (last {limit} chars)\n{text[-limit:]}")
+        return "\n".join(parts)
+
+    def assert_running(self) -> None:
+        dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+        assert not dead, f"replicas exited: {dead}\n{self.logs()}"
+
+    def stop_all(self) -> dict[str, int]:
+        codes: dict[str, int] = {}
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.send_signal(signal.SIGTERM)
+        for name, proc in self.procs.items():
+            try:
+                codes[name] = proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes[name] = proc.wait(timeout=10)
+        return codes
+
+
+@pytest.fixture
+def replicas(
+    devstack: DevStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Replicas]:
+    monkeypatch.setenv("CRS_SESSION_TIMEOUT_MS", "6000")
+    r = Replicas(devstack, tmp_path)
+    try:
+        yield r
+    finally:
+        r.stop_all()
+
+
+def topics_for(prefix_env: pytest.MonkeyPatch, topics: dict[str, str]) -> dict[str, str]:
+    prefix_env.setenv("CRS_TRANSACTIONAL_ID_PREFIX", f"tx-{topics['input']}")
+    return topics
+
+
+# --------------------------------------------------------------------------- Kafka reads
+
+
+async def admin_client(bootstrap: str) -> AIOKafkaAdminClient:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    return admin
+
+
+async def group_members(bootstrap: str, group: str) -> tuple[str, int]:
+    """(state, number of members) of a consumer group."""
+    admin = await admin_client(bootstrap)
+    try:
+        (response,) = await admin.describe_consumer_groups([group])
+        _error, _gid, state, _ptype, _protocol, members, *_ = response.groups[0]
+        return state, len(members)
+    except KafkaError as exc:  # e.g. the coordinator not there yet on a fresh broker
+        return f"unknown ({type(exc).__name__})", 0
+    finally:
+        await admin.close()
+
+
+async def wait_group(bootstrap: str, group: str, members: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    seen: tuple[str, int] = ("", 0)
+    while time.monotonic() < deadline:
+        seen = await group_members(bootstrap, group)
+        if seen == ("Stable", members):
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"group {group}: wanted Stable with {members} members, saw {seen}")
+
+
+async def end_offsets(bootstrap: str, topic: str, partitions: int) -> dict[int, int]:
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in range(partitions)]
+        ends = await consumer.end_offsets(tps)
+        return {tp.partition: ends[tp] for tp in tps}
+    finally:
+        await consumer.stop()
+
+
+async def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, int]:
+    admin = await admin_client(bootstrap)
+    try:
+        found = await admin.list_consumer_group_offsets(group)
+    finally:
+        await admin.close()
+    return {tp.partition: meta.offset for tp, meta in found.items() if tp.topic == topic}
+
+
+async def wait_all_committed(
+    bootstrap: str, group: str, topic: str, partitions: int, timeout_s: float, r: Replicas
+) -> dict[int, int]:
+    """Wait until the group's committed offsets reach the input's end offsets."""
+    ends = await end_offsets(bootstrap, topic, partitions)
+    deadline = time.monotonic() + timeout_s
+    committed: dict[int, int] = {}
+    while time.monotonic() < deadline:
+        r.assert_running()
+        committed = await committed_offsets(bootstrap, group, topic)
+        if all(committed.get(p, -1) >= ends[p] for p in ends):
+            return ends
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"committed {committed} never reached the end offsets {ends}")
+
+
+def dead_letter_coords(record: ConsumerRecord) -> tuple[int, int]:
+    headers = {k: bytes(v).decode() for k, v in record.headers}
+    return int(headers["crs.source.partition"]), int(headers["crs.source.offset"])
+
+
+def check_exactly_once(
+    outputs: list[ConsumerRecord],
+    dead: list[ConsumerRecord],
+    ends: dict[int, int],
+    w: Workload,
+) -> None:
+    """Every input record exactly once across output + DLQ; no duplicate output id; no
+    two outputs of one input; each kind of event classified as its kind."""
+    datas = [e2e.data_of(r) for r in outputs]
+    seen: collections.Counter[tuple[int, int]] = collections.Counter(
+        (d["input"]["partition"], d["input"]["offset"]) for d in datas
+    )
+    seen.update(dead_letter_coords(r) for r in dead)
+    expected = {(p, o) for p, end in ends.items() for o in range(end)}
+    twice = sorted(k for k, c in seen.items() if c > 1)
+    missing = sorted(expected - set(seen))
+    unknown = sorted(set(seen) - expected)
+    by_input: dict[tuple[int, int], set[tuple[Any, ...]]] = collections.defaultdict(set)
+    for d in datas:
+        by_input[(d["input"]["partition"], d["input"]["offset"])].add(
+            (d["cr_slot"], d["allocation"], d["reservation"])
+        )
+    # Two outputs of one input that disagree on the class or the slot contradict each
+    # other (written vs. already_present is a replay of the same decision).
+    contradicting = {k: v for k, v in by_input.items() if len({(c, r) for c, _, r in v}) > 1}
+    ids = collections.Counter(e2e.data_of(r)["input"]["id"] for r in outputs)
+    output_ids = collections.Counter(
+        __import__("msgspec").json.decode(r.value)["id"] for r in outputs
+    )
+    problems = []
+    if twice:
+        problems.append(f"{len(twice)} of {len(expected)} inputs with more than one output")
+    if contradicting:
+        sample = list(contradicting.items())[:3]
+        problems.append(f"{len(contradicting)} contradicting pairs, e.g. {sample}")
+    if missing:
+        problems.append(f"{len(missing)} inputs never processed, e.g. {missing[:5]}")
+    if unknown:
+        problems.append(f"outputs for offsets past the end: {unknown[:5]}")
+    dup_ids = [i for i, c in output_ids.items() if c > 1]
+    if dup_ids:
+        problems.append(f"{len(dup_ids)} duplicate output ids")
+    if any(c > 1 for c in ids.values()):
+        problems.append("an input event id classified twice")
+    if len(dead) != w.poison:
+        problems.append(f"{len(dead)} dead letters, expected {w.poison} (the poison records)")
+    for d in datas:
+        kind = w.kind_of.get(d["instance_uuid"])
+        ok = {
+            NO_HOST_FOUND: d["kind"] == "no_host_found",
+            NO_CR: d["cr_slot"] == "no_cr",
+            SLOT_USED: d["cr_slot"] == "slot_used"
+            and d["allocation"] in {"written", "already_present"},
+        }.get(kind or "", False)
+        if not ok:
+            problems.append(f"{kind} classified {d['kind']}/{d['cr_slot']}/{d['allocation']}")
+            break
+    assert not problems, "; ".join(problems)
+
+
+async def check_allocations(api: Any, w: Workload) -> None:
+    placed = {vm for vm, kind in w.kind_of.items() if kind == SLOT_USED}
+    where = await resilience.allocations_by_vm(api)
+    in_two = {vm: slots for vm, slots in where.items() if len(slots) > 1}
+    assert not in_two, f"VMs in more than one slot: {list(in_two.items())[:5]}"
+    assert set(where) == placed, (
+        f"{len(placed - set(where))} slot_used VMs without allocation, "
+        f"{len(set(where) - placed)} allocations of other VMs"
+    )
+
+
+# --------------------------------------------------------------------------- tests
+
+
+async def test_frozen_replica_past_its_session_commits_nothing_twice(
+    devstack: DevStack,
+    clean_k8s: Any,
+    new_topic: Any,
+    replicas: Replicas,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """2 replicas; one is frozen (SIGSTOP) mid-batch until the group has evicted it and
+    the other replica has taken its partitions over, then resumed (SIGCONT). The resumed
+    zombie must not commit its stale batch: every input exactly once."""
+    partitions = 4
+    hosts = await seed(clean_k8s, hosts=8, slots_per_host=1, slot_memory="4Ti")
+    topics = topics_for(monkeypatch, await resilience.service_topics(new_topic))
+    w = mixed(hosts, 2400, seed=11)
+    group = f"g-{topics['input']}"
+    boot = devstack.kafka_bootstrap
+    for name in ("a", "b"):
+        replicas.spawn(name, topics)
+    await wait_group(boot, group, 2, timeout_s=60)
+    await e2e.publish(boot, topics["input"], w.records)
+
+    async def partway() -> bool:
+        replicas.assert_running()
+        return await resilience.count_committed(boot, topics["output"]) >= 300
+
+    await resilience.wait_for(partway, 60, "the first outputs")
+    frozen = replicas.procs["a"]
+    os.kill(frozen.pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        # Held until the group has evicted it and b, alone, has drained the whole backlog
+        # (a's former partitions included), so whatever a still holds is stale.
+        await wait_group(boot, group, 1, timeout_s=60)
+        evicted_after = time.monotonic() - stopped_at
+        await wait_all_committed(boot, group, topics["input"], partitions, 90, replicas)
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+    assert evicted_after > 5, "evicted too fast to have been frozen mid-batch"
+    # a rejoining proves it has woken up and dealt with what it held when frozen.
+    await wait_group(boot, group, 2, timeout_s=60)
+
+    ends = await wait_all_committed(boot, group, topics["input"], partitions, 90, replicas)
+    outputs = await e2e.read_all(
+        boot, topics["output"], len(w.records) - w.poison, partitions=partitions, timeout_s=30
+    )
+    dead = await e2e.read_all(boot, topics["dlq"], w.poison, timeout_s=15)
+    codes = replicas.stop_all()
+    check_exactly_once(outputs, dead, ends, w)
+    await check_allocations(clean_k8s, w)
+    committed = await committed_offsets(boot, group, topics["input"])
+    assert committed == ends
+    assert set(codes.values()) == {0}, f"exit codes {codes}\n{replicas.logs()}"
+
+
+async def test_api_server_frozen_does_not_hold_events_that_need_no_api_call(
+    devstack: DevStack,
+    clean_k8s: Any,
+    new_topic: Any,
+    replicas: Replicas,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A steady 40 events/s while kube-apiserver is frozen for 30 s: no-host-found and
+    no-CR placements (decided from the watch cache) keep coming out, p99 publish ->
+    committed output <= 2 s; the slot_used placements (one PATCH each) wait and are all
+    written after SIGCONT; nothing twice."""
+    partitions, rate, before_s, freeze_s, after_s = 4, 40.0, 5.0, 30.0, 5.0
+    hosts = await seed(clean_k8s, hosts=8, slots_per_host=1, slot_memory="4Ti")
+    topics = topics_for(monkeypatch, await resilience.service_topics(new_topic))
+    total = int(rate * (before_s + freeze_s + after_s))
+    w = mixed(hosts, total, seed=12, poison_every=0)
+    group = f"g-{topics['input']}"
+    boot = devstack.kafka_bootstrap
+    replicas.spawn("a", topics, CRS_MAX_ATTEMPTS="1000")
+    await wait_group(boot, group, 1, timeout_s=60)
+
+    published: dict[str, float] = {}
+    seen: dict[str, float] = {}
+    reader = AIOKafkaConsumer(
+        bootstrap_servers=boot,
+        isolation_level="read_committed",
+        auto_offset_reset="earliest",
+        fetch_max_wait_ms=50,
+    )
+    await reader.start()
+    reader.assign([TopicPartition(topics["output"], p) for p in range(partitions)])
+
+    async def read() -> None:
+        while True:
+            batch = await reader.getmany(timeout_ms=100)
+            now = time.monotonic()
+            for records in batch.values():
+                for r in records:
+                    seen.setdefault(e2e.data_of(r)["instance_uuid"], now)
+
+    reading = asyncio.create_task(read())
+    producer = AIOKafkaProducer(bootstrap_servers=boot, acks="all")
+    await producer.start()
+    pid = int((devstack.run_dir / "kube-apiserver.pid").read_text())
+    frozen = False
+    try:
+        vms = list(w.kind_of)
+        start = time.monotonic()
+        freeze_at, thaw_at = start + before_s, start + before_s + freeze_s
+        for i, (key, value, headers) in enumerate(w.records):
+            now = time.monotonic()
+            if not frozen and now >= freeze_at and now < thaw_at:
+                os.kill(pid, signal.SIGSTOP)
+                frozen = True
+            elif frozen and now >= thaw_at:
+                os.kill(pid, signal.SIGCONT)
+                frozen = False
+            await asyncio.sleep(max(0.0, start + i / rate - now))
+            published[vms[i]] = time.monotonic()
+            await producer.send_and_wait(topics["input"], value, key=key, headers=headers)
+        if frozen:
+            os.kill(pid, signal.SIGCONT)
+            frozen = False
+        replicas.assert_running()
+        ends = await wait_all_committed(boot, group, topics["input"], partitions, 120, replicas)
+
+        async def all_seen() -> bool:
+            return len(seen) >= len(w.kind_of)
+
+        # The figures below name what is missing; a timeout here is not the verdict.
+        with contextlib.suppress(AssertionError):
+            await resilience.wait_for(all_seen, 30, "every output")
+    finally:
+        if frozen:
+            os.kill(pid, signal.SIGCONT)
+        reading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reading
+        await reader.stop()
+        await producer.stop()
+
+    delays = {
+        kind: sorted(
+            seen.get(vm, float("inf")) - published[vm]
+            for vm, k in w.kind_of.items()
+            if k == kind and freeze_at <= published[vm] < thaw_at
+        )
+        for kind in (*NEEDS_NO_API, SLOT_USED)
+    }
+    no_api = sorted(delays[NO_HOST_FOUND] + delays[NO_CR])
+    assert len(no_api) >= rate * freeze_s * 0.5, "too few events published during the freeze"
+    summary = {
+        kind: (len(d), round(d[len(d) // 2], 2), round(d[int(0.99 * (len(d) - 1))], 2))
+        for kind, d in delays.items()
+    }
+    p99 = no_api[int(0.99 * (len(no_api) - 1))]
+    outputs = await e2e.read_all(boot, topics["output"], total, partitions=partitions)
+    dead = await e2e.read_all(boot, topics["dlq"], 0, timeout_s=2)
+    codes = replicas.stop_all()
+    # Every verdict is collected, so one run tells which of them fail.
+    problems = []
+    if p99 > 2.0:
+        problems.append(
+            f"p99 {p99:.2f}s > 2s for no-API events during the freeze; "
+            f"(n, median s, p99 s) by kind {summary}"
+        )
+    try:
+        check_exactly_once(outputs, dead, ends, w)
+    except AssertionError as exc:
+        problems.append(str(exc).splitlines()[0])
+    try:
+        await check_allocations(clean_k8s, w)
+    except AssertionError as exc:
+        problems.append(str(exc).splitlines()[0])
+    if set(codes.values()) != {0}:
+        problems.append(f"exit codes {codes}\n{replicas.logs()}")
+    assert not problems, "\n".join(problems)
+
+
+async def test_conflict_storm_of_three_replicas_decides_every_placement(
+    devstack: DevStack,
+    clean_k8s: Any,
+    new_topic: Any,
+    replicas: Replicas,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """3 replicas write placements onto 2 hosts with 2 small slots each (room for 64
+    VMs; 150 placements): every slot fills up exactly, no slot is overfilled, no VM sits
+    in two slots, no placement ends ``allocation=failed``."""
+    partitions, n = 6, 150
+    hosts = await seed(clean_k8s, hosts=2, slots_per_host=2, slot_memory="64Gi")
+    capacity = 2 * 2 * 64 * GiB // VM_BYTES
+    topics = {
+        "input": await new_topic("in", partitions),
+        "output": await new_topic("out", partitions),
+        "dlq": await new_topic("dlq", 1),
+    }
+    topics_for(monkeypatch, topics)
+    rng = random.Random(13)
+    w = Workload()
+    for _ in range(n):
+        w.add(SLOT_USED, hosts, rng)
+    group = f"g-{topics['input']}"
+    boot = devstack.kafka_bootstrap
+    for name in ("a", "b", "c"):
+        replicas.spawn(name, topics)
+    await wait_group(boot, group, 3, timeout_s=60)
+    await e2e.publish(boot, topics["input"], w.records)
+    ends = await wait_all_committed(boot, group, topics["input"], partitions, 90, replicas)
+    outputs = await e2e.read_all(boot, topics["output"], n, partitions=partitions)
+    codes = replicas.stop_all()
+
+    datas = [e2e.data_of(r) for r in outputs]
+    coords = collections.Counter((d["input"]["partition"], d["input"]["offset"]) for d in datas)
+    assert sum(ends.values()) == n
+    assert len(coords) == n, f"{n - len(coords)} inputs without output"
+    assert max(coords.values()) == 1, "an input classified twice"
+    outcomes = collections.Counter((d["cr_slot"], d["allocation"]) for d in datas)
+    assert outcomes[("slot_used", "failed")] == 0, f"outcomes {dict(outcomes)}"
+
+    slots = await reservations(clean_k8s)
+    where: dict[str, list[str]] = collections.defaultdict(list)
+    for name, res in slots.items():
+        allocs = res["spec"]["committedResourceReservation"].get("allocations") or {}
+        used = sum(parse_quantity(a["resources"]["memory"]).value() for a in allocs.values())
+        size = parse_quantity(res["spec"]["resources"]["memory"]).value()
+        assert used <= size, f"{name} overfilled: {used} of {size} bytes"
+        for vm in allocs:
+            where[vm].append(name)
+    assert all(len(s) == 1 for s in where.values()), "a VM in two slots"
+    written = {
+        d["instance_uuid"] for d in datas if d["allocation"] in {"written", "already_present"}
+    }
+    assert written == set(where), "outputs and allocations disagree"
+    # More placements than room: a slot left with room means a placement gave up on it.
+    assert len(where) == capacity, f"{len(where)} of {capacity} places taken; {dict(outcomes)}"
+    assert set(codes.values()) == {0}, f"exit codes {codes}\n{replicas.logs()}"
