@@ -120,8 +120,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Longest time a decided record waits for its partition's next commit"),
     Setting("commit_max_records", "CRS_COMMIT_MAX_RECORDS", "500", _positive_int,
             "A partition commits at once when this many decided records wait"),
-    Setting("revoke_wait_s", "CRS_REVOKE_WAIT_S", "15", _positive_float,
-            "On revoke or stop, how long records in progress may finish before handover"),
+    Setting("revoke_wait_s", "CRS_REVOKE_WAIT_S", "2", _positive_float,
+            "On revoke, how long records in progress may finish before handover "
+            "(inside the rebalance: keep it well below the session timeout)"),
     Setting("session_timeout_ms", "CRS_SESSION_TIMEOUT_MS", "10000", _positive_int,
             "Kafka consumer group session timeout"),
     Setting("conflict_timeout_s", "CRS_CONFLICT_TIMEOUT_S", "30", _positive_float,
@@ -229,6 +230,8 @@ class Config:
                     raise ConfigError(f"{s.env} is required when KAFKA_SECURITY_PROTOCOL is SASL_*")
         if len({self.input_topic, self.output_topic, self.dlq_topic}) != 3:
             raise ConfigError("CRS_INPUT_TOPIC, CRS_OUTPUT_TOPIC and CRS_DLQ_TOPIC must differ")
+        if self.revoke_wait_s * 1000 > self.session_timeout_ms / 2:
+            raise ConfigError("CRS_REVOKE_WAIT_S must be at most half of CRS_SESSION_TIMEOUT_MS")
         if self.retry_backoff_max_s < self.retry_backoff_s:
             raise ConfigError("CRS_RETRY_BACKOFF_MAX_S must be >= CRS_RETRY_BACKOFF_S")
 

@@ -85,6 +85,7 @@ class Runtime:
             retry_backoff_s=c.retry_backoff_s,
             retry_backoff_max_s=c.retry_backoff_max_s,
             revoke_wait_s=c.revoke_wait_s,
+            stop_wait_s=c.shutdown_timeout_s / 3,
             client_args=c.kafka_client_args(),
             consumer_args={"session_timeout_ms": c.session_timeout_ms},
         )

@@ -105,7 +105,10 @@ class StreamSettings:
     commit_max_records: int = 500
     retry_backoff_s: float = 0.5
     retry_backoff_max_s: float = 30.0
-    revoke_wait_s: float = 15.0
+    # A revoke runs inside the group's rebalance: aiokafka does not heartbeat meanwhile,
+    # so it must stay well below the session timeout or this member is evicted too.
+    revoke_wait_s: float = 2.0
+    stop_wait_s: float = 10.0  # on SIGTERM the member leaves anyway: finish more
     fence_recheck_s: float = 15.0
     commit_timeout_s: float = 30.0
     poll_timeout_ms: int = 500
@@ -151,7 +154,8 @@ class _Partition:
         self.closed = False  # dropped: nothing of it may be committed any more
         self.released = False  # its tasks and producer are gone
         self.backpressured = False
-        self.committing = False
+        # One transaction at a time per producer: the committer and a revoke both commit.
+        self.commit_lock = asyncio.Lock()
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -276,7 +280,7 @@ class StreamService:
             self._update_lag()
         # Stop: finish the records in hand (bounded) and commit them.
         log.info("stopping_releasing_partitions", partitions=len(self._parts))
-        await self._release(list(self._parts), wait_s=self._s.revoke_wait_s)
+        await self._release(list(self._parts), wait_s=self._s.stop_wait_s)
 
     def _feed(self, part: _Partition, records: list[ConsumerRecord]) -> None:
         for record in records:
@@ -433,13 +437,18 @@ class StreamService:
 
     async def _commit(self, part: _Partition) -> bool:
         """Commit what the partition has decided; False if the partition was dropped."""
+        async with part.commit_lock:
+            if part.closed:
+                return False
+            return await self._commit_locked(part)
+
+    async def _commit_locked(self, part: _Partition) -> bool:
         plan = part.ledger.plan()
         if plan is None:
             part.oldest_done = None
             return True
         tp = part.tp
         started = time.perf_counter()
-        part.committing = True
         try:
             await asyncio.wait_for(self._send(part, plan), self._s.commit_timeout_s)
         except ProducerFenced:
@@ -467,8 +476,6 @@ class StreamService:
         except Exception as exc:  # broker, network or client trouble: take it over afresh
             self._commit_failed(part, exc)
             return False
-        finally:
-            part.committing = False
         part.ledger.committed(plan)
         part.oldest_done = self._clock() if part.ledger.done_uncommitted else None
         if part.oldest_done is not None:
@@ -787,6 +794,7 @@ async def _resume(coro: Coroutine[Any, Any, None], first: Any) -> None:
 
 async def _close_quietly(producer: Any) -> None:
     try:
-        await producer.stop()
+        # Bounded: stopping flushes, and a broken producer may never finish flushing.
+        await asyncio.wait_for(producer.stop(), 5.0)
     except Exception as exc:  # a fenced or broken producer may fail to close
         log.debug("producer_close_failed", error=repr(exc)[:200])

@@ -11,10 +11,8 @@ replica; an engine that ignores them runs with its defaults):
 * ``CRS_SESSION_TIMEOUT_MS`` (6000: the broker's minimum), so a frozen replica is
   evicted quickly. The frozen-replica test does not depend on the value: it holds the
   replica stopped until the group has evicted it.
-* ``CRS_TRANSACTIONAL_ID_PREFIX``, the same for every replica of a group, while each
-  replica's ``CRS_TRANSACTIONAL_ID`` differs, as pod names do in a Deployment: fencing
-  must come from what the replicas share (partition-bound ids), not from the
-  per-replica id.
+* ``CRS_TRANSACTIONAL_ID_PREFIX``, the same for every replica of a group, as in a
+  Deployment: fencing must come from what the replicas share (partition-bound ids).
 
 The input is a mix of the three kinds of event that matter to the engine: no-host-found
 outcomes and placements of a project without commitment (both decided from the watch
@@ -135,8 +133,14 @@ class Replicas:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def spawn(self, name: str, topics: dict[str, str], **settings: str) -> None:
+        # Every replica shares the prefix (as the replicas of one Deployment do); the
+        # pod name plays no part in the transactional ids.
         cfg = e2e.config(
-            self.devstack, topics, CRS_TRANSACTIONAL_ID=f"tx-{topics['input']}-{name}", **settings
+            self.devstack,
+            topics,
+            CRS_SESSION_TIMEOUT_MS="6000",
+            CRS_TRANSACTIONAL_ID_PREFIX=f"tx-{topics['input']}",
+            **settings,
         )
         self.procs[name] = e2e.spawn(cfg, str(self.log_dir / f"{name}.log"))
 
