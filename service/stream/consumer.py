@@ -40,10 +40,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Generator, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -317,17 +316,10 @@ class StreamService:
     # ------------------------------------------------------------------ key lanes
 
     def _start_lane(self, part: _Partition, key: bytes) -> None:
-        # Eagerly: most events (no-host-found, placements without a write) are decided
-        # from the watch cache without ever suspending, and a task per record would cost
-        # more CPU than the decision. The first step runs here, in a context of its own;
-        # only a lane that really waits (a PATCH, a back-off) becomes a task.
-        ctx = contextvars.copy_context()
-        coro = self._run_lane(part, key)
-        try:
-            first = ctx.run(coro.send, None)
-        except StopIteration:
-            return
-        task = asyncio.get_running_loop().create_task(_resume(coro, first), context=ctx)
+        # A task per lane, not an eager first step run by hand: code under the Recorder
+        # (asyncio.timeout in the Kubernetes client) binds to the *current task*, which
+        # must be the lane's own.
+        task = asyncio.get_running_loop().create_task(self._run_lane(part, key))
         part.tasks.add(task)
 
     async def _run_lane(self, part: _Partition, key: bytes) -> None:
@@ -350,9 +342,7 @@ class StreamService:
             if not lane and part.lanes.get(key) is lane:
                 del part.lanes[key]
             if part.ready:
-                # Scheduled, not called: a lane that finishes eagerly would otherwise
-                # start the next one inside its own frame, recursing once per lane.
-                asyncio.get_running_loop().call_soon(self._start_ready, part)
+                self._start_ready(part)
 
     def _start_ready(self, part: _Partition) -> None:
         while (
@@ -755,41 +745,6 @@ class StreamService:
     def stalled(self) -> dict[TopicPartition, str]:
         """Assigned partitions that cannot make progress, with the reason (for readiness)."""
         return dict(self._stalled)
-
-
-class _Continue:
-    """Awaitable that drives a coroutine already started by hand (PEP 380 delegation).
-
-    ``first`` is what the coroutine yielded on its first step (the future it waits for,
-    or None for a bare yield); the enclosing task waits for it, and each later step is
-    forwarded, exceptions (cancellation) included.
-    """
-
-    __slots__ = ("_coro", "_first")
-
-    def __init__(self, coro: Coroutine[Any, Any, None], first: Any) -> None:
-        self._coro = coro
-        self._first = first
-
-    def __await__(self) -> Generator[Any, None, None]:
-        coro, pending = self._coro, self._first
-        while True:
-            try:
-                yield pending
-            except BaseException as exc:  # cancellation and friends go to the coroutine
-                try:
-                    pending = coro.throw(exc)
-                except StopIteration:
-                    return
-                continue
-            try:
-                pending = coro.send(None)
-            except StopIteration:
-                return
-
-
-async def _resume(coro: Coroutine[Any, Any, None], first: Any) -> None:
-    await _Continue(coro, first)
 
 
 async def _close_quietly(producer: Any) -> None:
