@@ -17,6 +17,7 @@ however often its batch is replayed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections import OrderedDict
@@ -330,13 +331,15 @@ class Processor:
         except RetryLater:
             raise
         except Exception as exc:  # a bug in the error handling itself: still one record
-            log.exception(
-                "dead_letter_fallback",
-                topic=ref.topic,
-                partition=ref.partition,
-                offset=ref.offset,
-                code=INTERNAL_ERROR,
-            )
+            with contextlib.suppress(Exception):
+                log.exception(
+                    "dead_letter_fallback",
+                    topic=ref.topic,
+                    partition=ref.partition,
+                    offset=ref.offset,
+                    code=INTERNAL_ERROR,
+                )
+            # The stub: the smallest dead letter, with the fewest ways to fail.
             reason = clip(f"{type(exc).__name__}: {exc}")
             source = DeadLetterSource(ref, INTERNAL_ERROR, reason, key, value)
             out = OutRecord(self._dlq_topic, None, None, [], dead_letter=True, source=source)
