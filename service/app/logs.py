@@ -39,6 +39,8 @@ MAX_LINE_BYTES = 16 * 1024
 # Kept whole when a line is replaced for being too long: they say what and where.
 _ESSENTIAL = ("event", "level", "timestamp", "logger", "topic", "partition", "offset", "code")
 
+_SMALL_TYPES = frozenset({int, float, bool, type(None)})
+
 _encoder = msgspec.json.Encoder(enc_hook=str)
 
 
@@ -52,10 +54,13 @@ def _cut(text: str, limit: int) -> str:
 
 def bound_values(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """structlog processor: cut every long string (and bytes) value of a log line."""
+    # On the hot path (one line per event): short strings and numbers cost one check.
     for name, value in event_dict.items():
+        if type(value) in _SMALL_TYPES:
+            continue
         if isinstance(value, str):
-            limit = MAX_EXCEPTION_CHARS if name in ("exception", "stack") else MAX_VALUE_CHARS
-            if len(value) > limit:
+            if len(value) > MAX_VALUE_CHARS:
+                limit = MAX_EXCEPTION_CHARS if name in ("exception", "stack") else MAX_VALUE_CHARS
                 event_dict[name] = _cut(value, limit)
         elif isinstance(value, bytes | bytearray | memoryview):
             event_dict[name] = _cut(repr(bytes(value[: MAX_VALUE_CHARS + 1])), MAX_VALUE_CHARS)

@@ -6,10 +6,18 @@ back to the consumer loop as :class:`RetryLater`, which pauses the partition and
 the same offset again after a back-off; after ``max_attempts`` the event is dead-lettered
 with the last error. Anything else unexpected is dead-lettered too (and logged as an
 error): the service never crashes on one event and never drops one silently.
+:meth:`Processor.process` returns a record or raises :class:`RetryLater`, nothing else.
+
+Dead letters always fit the producer's record limit (:class:`DeadLetterBounds`): key,
+headers and reason are bounded, and the value is left out when it would not fit. Should
+the broker refuse one anyway, :func:`stub_dead_letter` gives the small record to publish
+instead (coordinates, sizes, a hash of the value). Each dead letter is logged once,
+however often its batch is replayed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections import OrderedDict
@@ -345,13 +353,15 @@ class Processor:
         except RetryLater:
             raise
         except Exception as exc:  # a bug in the error handling itself: still one record
-            log.exception(
-                "dead_letter_fallback",
-                topic=ref.topic,
-                partition=ref.partition,
-                offset=ref.offset,
-                code=INTERNAL_ERROR,
-            )
+            with contextlib.suppress(Exception):
+                log.exception(
+                    "dead_letter_fallback",
+                    topic=ref.topic,
+                    partition=ref.partition,
+                    offset=ref.offset,
+                    code=INTERNAL_ERROR,
+                )
+            # The stub: the smallest dead letter, with the fewest ways to fail.
             reason = clip(f"{type(exc).__name__}: {exc}")
             source = DeadLetterSource(ref, INTERNAL_ERROR, reason, key, value)
             out = OutRecord(self._dlq_topic, None, None, [], dead_letter=True, source=source)

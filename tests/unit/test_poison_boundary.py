@@ -180,15 +180,28 @@ def test_null_in_every_field_is_an_event_or_poison(path: tuple[Any, ...]) -> Non
     assert decode_outcome(with_fragment(path, "null")) in {"ok", *CODES} - {"not_json"}
 
 
+# Arbitrary bytes, and arbitrary bytes behind a deep opening (the parser recurses first).
+hostile_bytes = st.one_of(
+    st.none(),
+    st.binary(max_size=4096),
+    st.builds(
+        lambda n, opener, tail: opener * n + tail,
+        st.integers(900, 50_000),
+        st.sampled_from([b"[", b'{"a":', b'[{"a":']),
+        st.binary(max_size=64),
+    ),
+)
+
+
 @settings(max_examples=300, deadline=None)
-@given(value=st.one_of(st.none(), st.binary(max_size=4096)), key=st.none() | st.binary(max_size=64))
+@given(value=hostile_bytes, key=st.none() | st.binary(max_size=64))
 def test_arbitrary_bytes_are_poison(value: bytes | None, key: bytes | None) -> None:
     decode_outcome(value, key=key)
 
 
 @settings(max_examples=300, deadline=None)
 @given(
-    value=st.binary(max_size=512) | st.just(b'{"decision":{"result":{}},"request":{}}'),
+    value=hostile_bytes.filter(bool) | st.just(b'{"decision":{"result":{}},"request":{}}'),
     headers=st.lists(
         st.tuples(
             st.sampled_from(
@@ -312,7 +325,7 @@ def test_processor_returns_a_record_for_any_json(
 
 @settings(max_examples=200, deadline=None)
 @given(
-    value=st.none() | st.binary(max_size=2048),
+    value=hostile_bytes,
     key=st.none() | st.binary(max_size=64),
     headers=st.none()
     | st.lists(

@@ -182,3 +182,18 @@ def test_only_a_dead_letter_has_a_stub() -> None:
 def test_a_limit_too_small_for_any_dead_letter_is_refused() -> None:
     with pytest.raises(ValueError, match="16 KiB"):
         processor(8 * 1024)
+
+
+def test_a_bug_while_building_the_dead_letter_still_yields_a_stub(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(*_: Any, **__: Any) -> OutRecord:
+        raise RuntimeError("bug in the dead-letter builder")
+
+    monkeypatch.setattr("service.stream.processor.build_dead_letter", broken)
+    out = dead_letter(processor(), b"key", b"not json", [("trace", b"t")])
+    got = dict(out.headers)
+    assert (out.topic, out.value, got["crs.stub"]) == ("dlq", None, b"true")
+    assert got["crs.error"] == b"internal_error"
+    assert b"RuntimeError" in got["crs.reason"]
+    assert got["crs.value.sha256"] == hashlib.sha256(b"not json").hexdigest().encode()
