@@ -20,7 +20,7 @@ from service.stream.codec import POISON_CODES
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
-PROCESSOR_CODES = ("retries_exhausted", "k8s_error", "internal_error")
+PROCESSOR_CODES = ("retries_exhausted", "k8s_error", "internal_error", "output_rejected")
 
 
 def section(title: str) -> str:
