@@ -114,7 +114,7 @@ SETTINGS: tuple[Setting, ...] = (
             "(default: the group id); the prefix of the TransactionalId ACL"),
     Setting("max_in_flight", "CRS_MAX_IN_FLIGHT", "500", _positive_int,
             "Records of one partition received but not committed before it is paused"),
-    Setting("key_concurrency", "CRS_KEY_CONCURRENCY", "64", _positive_int,
+    Setting("key_concurrency", "CRS_KEY_CONCURRENCY", "256", _positive_int,
             "Records with different keys processed at once per partition"),
     Setting("commit_interval_ms", "CRS_COMMIT_INTERVAL_MS", "20", _positive_int,
             "Longest time a decided record waits for its partition's next commit"),

@@ -99,7 +99,7 @@ class StreamSettings:
     transactional_id_prefix: str | None = None
     max_batch: int = 500  # records per fetch
     max_in_flight: int = 500  # per partition, received but not committed
-    key_concurrency: int = 64  # per partition, keys processed at once
+    key_concurrency: int = 256  # per partition, keys processed at once
     commit_interval_ms: int = 20
     commit_max_records: int = 500
     retry_backoff_s: float = 0.5
