@@ -27,10 +27,15 @@ import structlog
 from service.crs.classify import CrSlot, classify_no_host_found, classify_placement
 from service.crs.commitments import active_commitments
 from service.crs.evaluator import is_slot, pick_slot, reservation_remaining_memory
-from service.crs.flavors import FlavorGroupLookupError, FlavorGroups, parse_flavor_groups
+from service.crs.flavors import (
+    FlavorGroupLookupError,
+    FlavorGroups,
+    FlavorMatch,
+    parse_flavor_groups,
+)
 from service.crs.intent import resolve_intent
 from service.crs.outcome import AllocationStatus, Outcome
-from service.crs.ports import ClusterState, ConflictError, NotFoundError
+from service.crs.ports import ClusterState, ConflictError, NotFoundError, Snapshot
 from service.model import Decision, ExternalSchedulerRequest, Knowledge, Reservation
 from service.quantity import format_binary_si
 
@@ -193,9 +198,10 @@ class Recorder:
             log.debug("cr_tracking_skipped")
             return outcome(CrSlot.SKIPPED.value, None)
 
-        # One placement per host at a time in this replica (see _host_lock).
-        async with self._host_lock(target):
-            hosts = [*decision.result.ordered_hosts, target]
+        hosts = [*decision.result.ordered_hosts, target]
+
+        async def classify() -> Outcome | tuple[str, FlavorMatch, Snapshot]:
+            """The placement's class on a fresh snapshot: a final Outcome, or slot_used."""
             snapshot = await self._state.snapshot(hosts, project_id)
             try:
                 match = self._flavor_groups.get(snapshot.knowledge).lookup(flavor_name)
@@ -206,26 +212,39 @@ class Recorder:
             if match is None:
                 log.debug("payg_placement", flavor=flavor_name)
                 return outcome(CrSlot.PAYG.value, None)
-
             group = match.group
-            vm_mem = match.vm_memory_bytes
-            evaluator = snapshot.evaluator
             active = active_commitments(snapshot.committed_resources, project_id, group)
             cr_slot = classify_placement(
-                evaluator, active, decision.result.ordered_hosts, project_id, group
+                snapshot.evaluator, active, decision.result.ordered_hosts, project_id, group
             )
-            log = log.bind(flavor_group=group, cr_slot=cr_slot)
-            log.debug("placement_classified")
+            log.debug("placement_classified", flavor_group=group, cr_slot=cr_slot)
             if cr_slot != CrSlot.SLOT_USED.value:
                 self._count_placement(group, intent, cr_slot)
-                return outcome(cr_slot, group, vm_memory_bytes=vm_mem)
+                return outcome(cr_slot, group, vm_memory_bytes=match.vm_memory_bytes)
+            return cr_slot, match, snapshot
 
+        # Classified first without the host lock: only a slot_used placement writes, so
+        # only it waits for the host. Everything else (no_cr, slot_missed, payg, error) is
+        # decided at once even while a write to the same host hangs on a slow API server.
+        first = await classify()
+        if isinstance(first, Outcome):
+            return first
+        # One write per host at a time in this replica (see _host_lock); decided again
+        # under the lock, on a snapshot that includes the writes it waited for.
+        async with self._host_lock(target):
+            decided = await classify()
+            if isinstance(decided, Outcome):
+                return decided
+            cr_slot, match, snapshot = decided
+            group = match.group
+            vm_mem = match.vm_memory_bytes
+            log = log.bind(flavor_group=group, cr_slot=cr_slot)
             allocation: dict[str, object] = {
                 "creationTimestamp": rfc3339(self._clock()),
                 "resources": {"memory": format_binary_si(vm_mem), "cpu": str(match.vcpus)},
             }
             status, reservation, conflicts = await self._claim_slot(
-                evaluator.slots_for_host(target, project_id, group),
+                snapshot.evaluator.slots_for_host(target, project_id, group),
                 target=target,
                 project_id=project_id,
                 flavor_group=group,
