@@ -31,7 +31,7 @@ from service.crs.intent import resolve_intent
 from service.crs.outcome import AllocationStatus, Outcome
 from service.crs.ports import ClusterState, ConflictError, NotFoundError
 from service.model import Decision, ExternalSchedulerRequest, Knowledge, Reservation
-from service.quantity import format_binary_si
+from service.quantity import format_binary_si, format_decimal_si
 
 __all__ = ["Recorder"]
 
@@ -211,7 +211,11 @@ class Recorder:
 
             allocation: dict[str, object] = {
                 "creationTimestamp": rfc3339(self._clock()),
-                "resources": {"memory": format_binary_si(vm_mem), "cpu": str(match.vcpus)},
+                "resources": {
+                    # The reference's NewQuantity(n, BinarySI / DecimalSI) canonical text.
+                    "memory": format_binary_si(vm_mem),
+                    "cpu": format_decimal_si(match.vcpus),
+                },
             }
             status, reservation, conflicts = await self._claim_slot(
                 evaluator.slots_for_host(target, project_id, group),
