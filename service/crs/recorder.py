@@ -126,8 +126,12 @@ class Recorder:
         )
 
     async def record(self, decision: Decision, request: ExternalSchedulerRequest) -> Outcome:
-        """Dispatch on the decision: a target host is a placement, none is no-host-found."""
-        if not decision.result.target_host:
+        """Dispatch on the decision: a target host is a placement, none is no-host-found.
+
+        As in the reference, only an absent/null target is "no host found"; "" is a
+        placement (onto the host named ""), so the skip option applies to it.
+        """
+        if decision.result.target_host is None:
             return await self.record_no_host_found(decision, request)
         return await self.record_placement(decision, request)
 
