@@ -582,3 +582,29 @@ def test_the_allocation_is_written_in_canonical_form(vcpus: int, cpu: str) -> No
     assert outcome.cr_slot == "slot_used"
     [(_, _, allocation)] = state.writes
     assert allocation["resources"] == {"memory": "4Gi", "cpu": cpu}
+
+
+def test_a_null_allocation_means_the_vm_is_already_recorded() -> None:
+    # Go keeps the map key with a zero allocation: the idempotency check finds the VM.
+    slot = fx.reservation("slot-ga-h0", host="h0", project=P, group="ga", memory="32Gi")
+    slot["spec"]["committedResourceReservation"]["allocations"] = {"vm-1": None}
+    decoded = from_k8s(json.dumps(slot).encode(), Reservation)
+    others = [r for r in _RESERVATIONS if r.name != "slot-ga-h0"]
+
+    class _WithNullAllocation(_State):
+        async def snapshot(self, hosts: Collection[str], project_id: str) -> Snapshot:
+            return Snapshot(
+                evaluator=SlotEvaluator.from_objects(_HYPERVISORS, [decoded, *others]),
+                committed_resources=_COMMITMENTS,
+                knowledge=self.knowledge,
+            )
+
+    state = _WithNullAllocation(KNOWLEDGE)
+    request = nova.parse_request(nova.request("vm-1", project_id=P, flavor_name="f-small"))
+    outcome = asyncio.run(Recorder(state).record(nova.decision("h0"), request))
+    assert (outcome.cr_slot, outcome.allocation, outcome.reservation) == (
+        "slot_used",
+        "already_present",
+        "slot-ga-h0",
+    )
+    assert state.writes == []
