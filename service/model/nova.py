@@ -72,16 +72,19 @@ class NovaFlavor(_NovaStruct, frozen=True):
     extra_specs: dict[str, str | None] | None = None
 
     def __post_init__(self) -> None:
-        for field, zero in (
-            ("name", ""),
-            ("memory_mb", 0),
-            ("vcpus", 0),
-            ("root_gb", 0),
-            ("ephemeral_gb", 0),
-            ("swap", 0),
-        ):
-            if getattr(self, field) is None:
-                force_setattr(self, field, zero)
+        # One tuple test on the common path; the loop only runs when a null was sent.
+        if None in (self.name, self.memory_mb, self.vcpus, self.root_gb, self.ephemeral_gb):
+            for field, zero in (
+                ("name", ""),
+                ("memory_mb", 0),
+                ("vcpus", 0),
+                ("root_gb", 0),
+                ("ephemeral_gb", 0),
+            ):
+                if getattr(self, field) is None:
+                    force_setattr(self, field, zero)
+        if _is_null(self.swap):
+            force_setattr(self, "swap", 0)
 
 
 class NovaSpec(_NovaStruct, frozen=True):
@@ -119,8 +122,9 @@ class NovaRequestContext(_NovaStruct, frozen=True):
 
 
 class ExternalSchedulerHost(_NovaStruct, frozen=True):
-    # No __post_init__ here (there are hundreds per request): the request fills in nulls.
-    host: GoNull[str] = ""
+    # None stands for Go's "" (a null or absent host): checking hundreds of hosts per
+    # request in __post_init__ would cost more than reading them through input_hosts.
+    host: str | None = None
     hypervisor_hostname: str | None = None
 
 
@@ -139,10 +143,6 @@ def _zero_spec() -> NovaObject[NovaSpec]:
 def _is_null(value: object) -> bool:
     # Takes ``object`` so that checking a GoNull field for None type-checks.
     return value is None
-
-
-def _zero_host() -> ExternalSchedulerHost:
-    return ExternalSchedulerHost()
 
 
 class ExternalSchedulerRequest(_NovaStruct, frozen=True):
@@ -173,18 +173,12 @@ class ExternalSchedulerRequest(_NovaStruct, frozen=True):
         hosts: list[Any] | None = self.hosts
         if hosts is None:
             force_setattr(self, "hosts", [])
-        elif any(h is None or h.host is None for h in hosts):
-            fixed = [
-                ExternalSchedulerHost(hypervisor_hostname=h.hypervisor_hostname)
-                if h is not None and h.host is None
-                else h
-                for h in hosts
-            ]
-            force_setattr(self, "hosts", _nulls_to(fixed, _zero_host))
+        elif None in hosts:
+            force_setattr(self, "hosts", _nulls_to(hosts, ExternalSchedulerHost))
         weights: dict[str, Any] | None = self.weights
         if weights is None:
             force_setattr(self, "weights", {})
-        elif any(w is None for w in weights.values()):
+        elif None in weights.values():
             force_setattr(self, "weights", {k: 0.0 if w is None else w for k, w in weights.items()})
 
     @property
@@ -214,8 +208,11 @@ class ExternalSchedulerRequest(_NovaStruct, frozen=True):
 
     @property
     def input_hosts(self) -> list[str]:
-        """The compute host names Nova offered, in request order (Go's ``GetHosts``)."""
-        return [h.host for h in self.hosts]
+        """The compute host names Nova offered, in request order (Go's ``GetHosts``).
+
+        A null or absent ``host`` is Go's zero value, "".
+        """
+        return [h.host or "" for h in self.hosts]
 
 
 class DecisionResult(msgspec.Struct, kw_only=True, frozen=True, rename="camel", omit_defaults=True):
