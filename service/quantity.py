@@ -11,10 +11,12 @@ equality, ordering, hashing and addition are plain integer operations: exact and
 The format (BinarySI / DecimalSI / DecimalExponent) is kept only to render ``str()``
 the way Go's ``String()`` does; like in Go it never takes part in comparisons.
 
-Deliberate deviations from Go (all outside anything a real cluster produces):
-values are unbounded Python ints (Go's ``Value()`` would overflow int64), exponents
-above ``_MAX_EXPONENT`` are rejected instead of allocating gigantic integers, and a
-DecimalSI value whose exponent has no SI suffix (beyond "E") renders as ``<n>e<exp>``.
+Deliberate deviations from Go (all outside anything a real cluster produces) are listed,
+with the reasons, in ``docs/semantics.md``: values are unbounded Python ints (Go's
+``Value()`` and ``NewQuantity(int64)`` would overflow int64), exponents above
+``_MAX_EXPONENT`` are rejected instead of allocating gigantic integers, exponents beyond
+32 bits are rejected (Go truncates them to int32), and a DecimalSI value whose exponent
+has no SI suffix (beyond "E") renders as ``<n>e<exp>`` (Go drops the exponent).
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ from collections.abc import Iterable
 from fractions import Fraction
 from typing import Final
 
-__all__ = ["Quantity", "QuantityError", "QuantityFormat", "format_binary_si", "parse_quantity"]
+__all__ = [
+    "Quantity",
+    "QuantityError",
+    "QuantityFormat",
+    "format_binary_si",
+    "format_decimal_si",
+    "parse_quantity",
+]
 
 
 class QuantityError(ValueError):
@@ -293,3 +302,13 @@ def _canonical(nanos: int, fmt: QuantityFormat) -> str:
 def format_binary_si(n_bytes: int) -> str:
     """Render a byte count as Go's ``NewQuantity(n, BinarySI).String()`` ("4Gi", "1500")."""
     return _canonical(int(n_bytes) * _NANO, QuantityFormat.BINARY_SI)
+
+
+def format_decimal_si(n: int) -> str:
+    """Render an integer as Go's ``NewQuantity(n, DecimalSI).String()`` ("100k", "1500").
+
+    The canonical form moves trailing zeros into an SI suffix whose exponent is a multiple
+    of 3 and as large as possible without a fraction: 1000 -> "1k", 1500 -> "1500",
+    100000 -> "100k", 2000000 -> "2M".
+    """
+    return _canonical(int(n) * _NANO, QuantityFormat.DECIMAL_SI)

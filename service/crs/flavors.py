@@ -14,6 +14,7 @@ from typing import Any, Final
 import msgspec
 import structlog
 
+from service.model.decode import DecodeError, from_k8s
 from service.model.k8s import FlavorGroupFeature, FlavorInGroup, Knowledge
 from service.model.meta import is_condition_true
 
@@ -87,7 +88,8 @@ class FlavorGroups:
         self._groups = dict(groups)
         by_flavor: dict[str, FlavorMatch] = {}
         # Go searches a map, so a flavor listed in two groups resolves randomly there;
-        # here the first group (in Knowledge order) wins, deterministically.
+        # here the first group (in Knowledge order) wins, deterministically. Listed in
+        # docs/semantics.md ("Where this service deliberately differs").
         for name, group in self._groups.items():
             for flavor in group.flavors:
                 by_flavor.setdefault(flavor.name, FlavorMatch(group=name, flavor=flavor))
@@ -129,11 +131,14 @@ def _decode_features(raw: Any) -> list[FlavorGroupFeature]:
     # An empty/absent payload is an empty list (as in Go), not an error.
     if raw is None or raw == {} or raw == b"" or raw == "":
         return []
+    if not isinstance(raw, dict | bytes | str):
+        raise FlavorGroupLookupError(
+            f"malformed flavor group features: expected an object, got {type(raw).__name__}"
+        )
     try:
-        if isinstance(raw, bytes | str):
-            parsed = msgspec.json.decode(raw, type=_RawFeatures)
-        else:
-            parsed = msgspec.convert(raw, _RawFeatures)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        # from_k8s applies Go's null rule: a null feature, flavor or largest/smallest
+        # flavor is the zero value, so one bad entry does not take every group down.
+        parsed = from_k8s(raw, _RawFeatures)
+    except DecodeError as exc:
         raise FlavorGroupLookupError(f"malformed flavor group features: {exc}") from exc
     return parsed.features or []

@@ -37,7 +37,7 @@ from service.crs.intent import resolve_intent
 from service.crs.outcome import AllocationStatus, Outcome
 from service.crs.ports import ClusterState, ConflictError, NotFoundError, Snapshot
 from service.model import Decision, ExternalSchedulerRequest, Knowledge, Reservation
-from service.quantity import format_binary_si
+from service.quantity import format_binary_si, format_decimal_si
 
 __all__ = ["Recorder"]
 
@@ -142,8 +142,12 @@ class Recorder:
         )
 
     async def record(self, decision: Decision, request: ExternalSchedulerRequest) -> Outcome:
-        """Dispatch on the decision: a target host is a placement, none is no-host-found."""
-        if not decision.result.target_host:
+        """Dispatch on the decision: a target host is a placement, none is no-host-found.
+
+        As in the reference, only an absent/null target is "no host found"; "" is a
+        placement (onto the host named ""), so the skip option applies to it.
+        """
+        if decision.result.target_host is None:
             return await self.record_no_host_found(decision, request)
         return await self.record_placement(decision, request)
 
@@ -241,7 +245,11 @@ class Recorder:
             log = log.bind(flavor_group=group, cr_slot=cr_slot)
             allocation: dict[str, object] = {
                 "creationTimestamp": rfc3339(self._clock()),
-                "resources": {"memory": format_binary_si(vm_mem), "cpu": str(match.vcpus)},
+                "resources": {
+                    # The reference's NewQuantity(n, BinarySI / DecimalSI) canonical text.
+                    "memory": format_binary_si(vm_mem),
+                    "cpu": format_decimal_si(match.vcpus),
+                },
             }
             status, reservation, conflicts = await self._claim_slot(
                 snapshot.evaluator.slots_for_host(target, project_id, group),

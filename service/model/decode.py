@@ -1,7 +1,8 @@
 """The one decoding entry point for API-server and Kafka JSON.
 
 Centralised so that every caller gets the same Quantity handling (int-or-string, like
-Go's ``Quantity.UnmarshalJSON``) and the same error contract: only :class:`DecodeError`
+Go's ``Quantity.UnmarshalJSON``), the same ``null`` rule as Go's ``encoding/json`` (see
+:mod:`service.model.gonull`) and the same error contract: only :class:`DecodeError`
 escapes, and it names the offending field so a dead-lettered event says what was wrong.
 """
 
@@ -13,7 +14,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from service.quantity import Quantity, QuantityError
+from service.model.gonull import zero_nulls
+from service.quantity import ZERO, Quantity, QuantityError
 
 __all__ = ["DecodeError", "encode_k8s", "from_k8s", "to_k8s"]
 
@@ -32,6 +34,9 @@ class DecodeError(ValueError):
 
 def _dec_hook(type_: type, obj: Any) -> Any:
     if type_ is Quantity:
+        if obj is None:
+            # Go's Quantity.UnmarshalJSON turns null into the zero quantity.
+            return ZERO
         if isinstance(obj, str):
             # Go's UnmarshalJSON trims surrounding whitespace before parsing.
             return Quantity.parse(obj.strip())
@@ -73,14 +78,23 @@ def _to_decode_error(exc: Exception) -> DecodeError:
 
 
 def from_k8s(obj: dict[str, Any] | bytes | bytearray | memoryview | str, type_: type[T]) -> T:
-    """Decode API-server JSON (raw bytes, or an already-parsed dict) into ``type_``."""
+    """Decode API-server JSON (raw bytes, or an already-parsed dict) into ``type_``.
+
+    A ``null`` decodes as Go's ``encoding/json`` decodes it (:mod:`service.model.gonull`).
+    """
     try:
-        if isinstance(obj, bytes | bytearray | memoryview | str):
-            target: Any = type_
-            result: T = _json_decoder(target).decode(obj)
-            return result
-        if isinstance(obj, dict):
-            return msgspec.convert(obj, type_, dec_hook=_dec_hook)
+        try:
+            if isinstance(obj, bytes | bytearray | memoryview | str):
+                target: Any = type_
+                result: T = _json_decoder(target).decode(obj)
+                return result
+            if isinstance(obj, dict):
+                return msgspec.convert(obj, type_, dec_hook=_dec_hook)
+        except msgspec.ValidationError:
+            # The rare slow path: parse untyped, apply Go's null rule, validate again. A
+            # document without nulls fails again with the same error.
+            doc = msgspec.json.decode(obj) if not isinstance(obj, dict) else obj
+            return msgspec.convert(zero_nulls(doc, type_), type_, dec_hook=_dec_hook)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise _to_decode_error(exc) from exc
     except (QuantityError, ValueError, TypeError) as exc:  # defensive: never leak others

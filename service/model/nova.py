@@ -7,9 +7,13 @@ needs is declared; everything else in the (large) request spec is ignored on dec
 
 from __future__ import annotations
 
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable
+from typing import Annotated, Any, Generic, TypeVar
 
 import msgspec
+from msgspec.structs import force_setattr
+
+from service.model.gonull import GoNull
 
 __all__ = [
     "Decision",
@@ -25,43 +29,86 @@ __all__ = [
 
 T = TypeVar("T")
 
+# A default of None for a field typed ``T``: the value is replaced in __post_init__.
+_NULL: Any = None
+
+
+def _nulls_to(items: list[Any], zero: Callable[[], Any]) -> list[Any]:
+    return [zero() if item is None else item for item in items]
+
 
 class _NovaStruct(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
-    """Base for Nova wire types: snake_case keys exactly as Nova sends them."""
+    """Base for Nova wire types: snake_case keys exactly as Nova sends them.
+
+    Every field of the Go request types is optional and a ``null`` anywhere decodes as the
+    zero value (:mod:`service.model.gonull`); fields typed :data:`GoNull` get that value
+    in ``__post_init__``. A value of the wrong type is still an error, as in Go.
+    """
 
 
 class NovaObject(_NovaStruct, Generic[T], frozen=True):
-    data: T = msgspec.field(name="nova_object.data")
+    # Absent or null data is the zero value of T; the owner of the field fills it in
+    # (a generic instance does not know its T at runtime).
+    data: GoNull[T] = msgspec.field(default=_NULL, name="nova_object.data")
     name: str | None = msgspec.field(default=None, name="nova_object.name")
     namespace: str | None = msgspec.field(default=None, name="nova_object.namespace")
     version: str | None = msgspec.field(default=None, name="nova_object.version")
-    changes: list[str] | None = msgspec.field(default=None, name="nova_object.changes")
+    changes: list[str | None] | None = msgspec.field(default=None, name="nova_object.changes")
+
+
+# Go declares these uint64: a negative number fails the whole request there.
+Unsigned = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class NovaFlavor(_NovaStruct, frozen=True):
-    name: str = ""
-    memory_mb: int = 0
-    vcpus: int = 0
-    root_gb: int = 0
-    ephemeral_gb: int = 0
-    swap: int = 0
+    name: GoNull[str] = ""
+    memory_mb: GoNull[Unsigned] = 0
+    vcpus: GoNull[Unsigned] = 0
+    root_gb: GoNull[Unsigned] = 0
+    ephemeral_gb: GoNull[Unsigned] = 0
+    swap: GoNull[int] = 0
     flavorid: str | None = None
     id: int | None = None
-    extra_specs: dict[str, str] | None = None
+    extra_specs: dict[str, str | None] | None = None
+
+    def __post_init__(self) -> None:
+        # One tuple test on the common path; the loop only runs when a null was sent.
+        if None in (self.name, self.memory_mb, self.vcpus, self.root_gb, self.ephemeral_gb):
+            for field, zero in (
+                ("name", ""),
+                ("memory_mb", 0),
+                ("vcpus", 0),
+                ("root_gb", 0),
+                ("ephemeral_gb", 0),
+            ):
+                if getattr(self, field) is None:
+                    force_setattr(self, field, zero)
+        if _is_null(self.swap):
+            force_setattr(self, "swap", 0)
 
 
 class NovaSpec(_NovaStruct, frozen=True):
-    project_id: str = ""
+    project_id: GoNull[str] = ""
     user_id: str | None = None
-    instance_uuid: str = ""
+    instance_uuid: GoNull[str] = ""
     availability_zone: str | None = None
-    num_instances: int = 1
+    num_instances: GoNull[Unsigned] = 0
     # Values are a string or a one-element list, depending on the Nova code path.
     scheduler_hints: dict[str, Any] | None = None
     flavor: NovaObject[NovaFlavor] | None = None
-    ignore_hosts: list[str] | None = None
-    force_hosts: list[str] | None = None
-    force_nodes: list[str] | None = None
+    ignore_hosts: list[str | None] | None = None
+    force_hosts: list[str | None] | None = None
+    force_nodes: list[str | None] | None = None
+
+    def __post_init__(self) -> None:
+        if _is_null(self.project_id):
+            force_setattr(self, "project_id", "")
+        if _is_null(self.instance_uuid):
+            force_setattr(self, "instance_uuid", "")
+        if _is_null(self.num_instances):
+            force_setattr(self, "num_instances", 0)
+        if self.flavor is not None and _is_null(self.flavor.data):
+            force_setattr(self.flavor, "data", NovaFlavor())
 
 
 class NovaRequestContext(_NovaStruct, frozen=True):
@@ -75,25 +122,64 @@ class NovaRequestContext(_NovaStruct, frozen=True):
 
 
 class ExternalSchedulerHost(_NovaStruct, frozen=True):
-    host: str
+    # None stands for Go's "" (a null or absent host): checking hundreds of hosts per
+    # request in __post_init__ would cost more than reading them through input_hosts.
+    host: str | None = None
     hypervisor_hostname: str | None = None
 
 
 class ExternalSchedulerOptions(_NovaStruct, frozen=True):
-    skip_committed_resource_tracking: bool = False
+    skip_committed_resource_tracking: GoNull[bool] = False
+
+    def __post_init__(self) -> None:
+        if _is_null(self.skip_committed_resource_tracking):
+            force_setattr(self, "skip_committed_resource_tracking", False)
+
+
+def _zero_spec() -> NovaObject[NovaSpec]:
+    return NovaObject(data=NovaSpec())
+
+
+def _is_null(value: object) -> bool:
+    # Takes ``object`` so that checking a GoNull field for None type-checks.
+    return value is None
 
 
 class ExternalSchedulerRequest(_NovaStruct, frozen=True):
-    spec: NovaObject[NovaSpec]
-    context: NovaRequestContext = msgspec.field(default_factory=NovaRequestContext)
-    hosts: list[ExternalSchedulerHost] = []
-    weights: dict[str, float] = {}
+    spec: GoNull[NovaObject[NovaSpec]] = msgspec.field(default_factory=_zero_spec)
+    context: GoNull[NovaRequestContext] = msgspec.field(default_factory=NovaRequestContext)
+    # A Go encoder writes nil slices and maps as null.
+    hosts: GoNull[list[GoNull[ExternalSchedulerHost]]] = []
+    weights: GoNull[dict[str, GoNull[float]]] = {}
     pipeline: str | None = None
-    live: bool = False
-    rebuild: bool = False
-    resize: bool = False
-    vmware: bool = False
-    options: ExternalSchedulerOptions = msgspec.field(default_factory=ExternalSchedulerOptions)
+    # Not fields of the reference's request type (it ignores them, whatever their value).
+    live: Any = False
+    rebuild: Any = False
+    resize: Any = False
+    vmware: Any = False
+    options: GoNull[ExternalSchedulerOptions] = msgspec.field(
+        default_factory=ExternalSchedulerOptions
+    )
+
+    def __post_init__(self) -> None:
+        if _is_null(self.spec):
+            force_setattr(self, "spec", _zero_spec())
+        elif _is_null(self.spec.data):
+            force_setattr(self.spec, "data", NovaSpec())
+        if _is_null(self.context):
+            force_setattr(self, "context", NovaRequestContext())
+        if _is_null(self.options):
+            force_setattr(self, "options", ExternalSchedulerOptions())
+        hosts: list[Any] | None = self.hosts
+        if hosts is None:
+            force_setattr(self, "hosts", [])
+        elif None in hosts:
+            force_setattr(self, "hosts", _nulls_to(hosts, ExternalSchedulerHost))
+        weights: dict[str, Any] | None = self.weights
+        if weights is None:
+            force_setattr(self, "weights", {})
+        elif None in weights.values():
+            force_setattr(self, "weights", {k: 0.0 if w is None else w for k, w in weights.items()})
 
     @property
     def project_id(self) -> str:
@@ -122,14 +208,25 @@ class ExternalSchedulerRequest(_NovaStruct, frozen=True):
 
     @property
     def input_hosts(self) -> list[str]:
-        """The compute host names Nova offered, in request order (Go's ``GetHosts``)."""
-        return [h.host for h in self.hosts]
+        """The compute host names Nova offered, in request order (Go's ``GetHosts``).
+
+        A null or absent ``host`` is Go's zero value, "".
+        """
+        return [h.host or "" for h in self.hosts]
 
 
 class DecisionResult(msgspec.Struct, kw_only=True, frozen=True, rename="camel", omit_defaults=True):
-    # target_host None means "no host found".
+    # Absent or null means "no host found"; "" is a placement on the host named "" (the
+    # reference tests the pointer for nil, not the string for emptiness).
     target_host: str | None = None
-    ordered_hosts: list[str] = []
+    ordered_hosts: GoNull[list[GoNull[str]]] = []
+
+    def __post_init__(self) -> None:
+        hosts: list[Any] | None = self.ordered_hosts
+        if hosts is None:
+            force_setattr(self, "ordered_hosts", [])
+        elif None in hosts:
+            force_setattr(self, "ordered_hosts", _nulls_to(hosts, str))
 
 
 class Decision(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
