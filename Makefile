@@ -27,8 +27,9 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/pytest
 
+# The fast unit suite (under 30 s); the slow-marked tests run with `make test`.
 unit: $(STAMP)
-	$(BIN)/pytest tests/unit
+	$(BIN)/pytest tests/unit -m "not slow"
 
 integration: $(STAMP)
 	$(BIN)/pytest -m integration

@@ -831,6 +831,7 @@ def test_service_servicemonitor_and_pdb_select_the_pods() -> None:
 # ---------------------------------------------------------------- the Dockerfile's steps, run
 
 
+@pytest.mark.slow  # ~20 s: a fresh venv and a wheel build
 def test_dockerfile_install_steps_work_without_docker() -> None:
     """deploy/check-dockerfile-steps.sh: wheel from the COPYd sources, runtime-only venv, CLI."""
     assert os.access(STEPS_SCRIPT, os.X_OK)
