@@ -19,7 +19,13 @@ from prometheus_client import CollectorRegistry
 
 from service.crs import Recorder, new_no_host_found_counter, new_placement_counter
 from service.crs.outcome import AllocationStatus, Outcome
-from service.crs.ports import ClusterState, Snapshot, UnavailableError
+from service.crs.ports import (
+    ClusterState,
+    ConflictError,
+    NotFoundError,
+    Snapshot,
+    UnavailableError,
+)
 from service.model import Reservation
 from service.quantity import parse_quantity
 from tests import factories as f
@@ -587,10 +593,10 @@ async def test_fake_rejects_a_stale_patch_and_bumps_the_resource_version(env: En
     assert read is not None
     written = await env.state.patch_allocation(read, "vm-1", f.allocation("1Gi"))
     assert int(written.metadata.resource_version or 0) > int(read.metadata.resource_version or 0)
-    with pytest.raises(Exception, match="modified") as conflict:
+    with pytest.raises(ConflictError, match="modified") as conflict:
         await env.state.patch_allocation(read, "vm-2", f.allocation("1Gi"))
-    assert getattr(conflict.value, "status", None) == 409
+    assert conflict.value.status == 409
     env.state.delete("Reservation", "slot-a")
-    with pytest.raises(Exception, match="not found") as gone:
+    with pytest.raises(NotFoundError, match="not found") as gone:
         await env.state.patch_allocation(written, "vm-2", f.allocation("1Gi"))
-    assert getattr(gone.value, "status", None) == 404
+    assert gone.value.status == 404
