@@ -122,6 +122,10 @@ async def kube_api(devstack: DevStack) -> AsyncIterator[object]:
     api = client.ApiClient(configuration=cfg)
     try:
         yield api
+        # Some modules share objects between their tests and never wipe them (the
+        # flavor-groups Knowledge of test_watch_cache): the session leaves the cluster as
+        # empty as it found it, so e.g. `make demo` afterwards finds no foreign objects.
+        await delete_all_custom_objects(api)
     finally:
         await api.close()
 
