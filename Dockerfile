@@ -4,12 +4,15 @@
 #   docker build -t crs-consumer .
 #   docker run --rm -p 8080:8080 -e KAFKA_BOOTSTRAP_SERVERS=... crs-consumer          # run
 #   docker run --rm crs-consumer check                                                # check
+#   docker build --target demo -t crs-consumer-demo .   # the demo/seeding tool (compose `seed`)
 #
 # Two stages: the builder turns pyproject.toml + service/ into a wheel and installs it, with
 # its runtime dependencies only (no dev extra), into a pip-less venv at /opt/venv; the final
 # stage is a clean python:3.11-slim with that venv copied in, no compilers, no build tools.
 # deploy/check-dockerfile-steps.sh repeats the builder's steps without Docker: keep the two
-# in step (it reads the COPY lines below).
+# in step (it reads the COPY lines below). The demo tool (tools/demo) goes only into the
+# `demo` target, built on top of the builder's venv; the runtime stage, the default target
+# and last stage, never contains it.
 
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
@@ -30,6 +33,31 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     && python -m venv --without-pip /opt/venv \
     && python -m pip --python /opt/venv/bin/python install /wheels/*.whl \
     && /opt/venv/bin/crs-consumer --help >/dev/null
+
+# ---------------------------------------------------------------- demo (--target demo only)
+FROM builder AS demo-builder
+COPY tools/demo/ /src/tools/demo/
+RUN --mount=type=cache,target=/root/.cache/pip \
+    python -m pip wheel --no-deps --wheel-dir /demo-wheels ./tools/demo \
+    && python -m pip --python /opt/venv/bin/python install --no-deps /demo-wheels/*.whl \
+    && /opt/venv/bin/crs-consumer-demo --help >/dev/null
+
+FROM ${PYTHON_IMAGE} AS demo
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PATH=/opt/venv/bin:$PATH
+
+RUN groupadd --system --gid 10001 crs \
+    && useradd --system --uid 10001 --gid 10001 --no-create-home \
+       --home-dir /nonexistent --shell /usr/sbin/nologin crs
+
+COPY --from=demo-builder /opt/venv /opt/venv
+
+USER 10001:10001
+WORKDIR /tmp
+ENTRYPOINT ["crs-consumer-demo"]
+CMD ["seed"]
 
 # ---------------------------------------------------------------- runtime
 FROM ${PYTHON_IMAGE} AS runtime

@@ -11,15 +11,18 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# The demo tool (tools/demo) is a separate distribution: in the dev venv, never in the
+# service's wheel or runtime image. --no-deps: its one dependency is the service above.
+$(STAMP): pyproject.toml tools/demo/pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps -e tools/demo
 	@touch $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check service tests bench
-	$(BIN)/ruff format --check service tests bench
+	$(BIN)/ruff check service tests bench tools
+	$(BIN)/ruff format --check service tests bench tools
 	$(BIN)/mypy
 
 # Unit and integration tests; the integration tests bring the dev stack up themselves
@@ -27,8 +30,9 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/pytest
 
+# The fast unit suite (under 30 s); the slow-marked tests run with `make test`.
 unit: $(STAMP)
-	$(BIN)/pytest tests/unit
+	$(BIN)/pytest tests/unit -m "not slow"
 
 integration: $(STAMP)
 	$(BIN)/pytest -m integration
@@ -38,7 +42,7 @@ integration: $(STAMP)
 # CRS_DEVSTACK_* variables of devstack/lib.sh) select another dev stack instance.
 demo: $(STAMP)
 	devstack/up
-	set -a; . "$${CRS_DEVSTACK_RUN_DIR:-devstack/run}/env"; set +a; $(BIN)/crs-consumer demo
+	set -a; . "$${CRS_DEVSTACK_RUN_DIR:-devstack/run}/env"; set +a; $(BIN)/crs-consumer-demo demo
 
 # The service benchmarks of BENCHMARKS.md against the dev stack (about 35 minutes; the
 # scale, memory and catch-up runs seed 10,000 hypervisors and 50,000 reservations).

@@ -36,7 +36,7 @@ import aiohttp
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from service.app import scenario
+from crs_demo import scenario
 from service.app.config import Config
 from service.app.logs import configure_logging
 from service.app.runtime import Runtime

@@ -112,7 +112,8 @@ step "built $(basename "${wheels[0]}")"
 VENV_PY=$TMP/opt-venv/bin/python
 "$BUILD_PY" -m pip --python "$VENV_PY" install -q "${wheels[0]}"
 "$BUILD_PY" -m pip --python "$VENV_PY" check >&2 || die "installed runtime deps are inconsistent"
-for devpkg in pytest pytest_asyncio hypothesis ruff mypy jsonschema; do
+# crs_demo: the demo/seeding tool (tools/demo) belongs to the `demo` target only.
+for devpkg in pytest pytest_asyncio hypothesis ruff mypy jsonschema crs_demo; do
   if "$VENV_PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$devpkg') is None)"; then
     die "dev-only package '$devpkg' ended up in the runtime venv"
   fi

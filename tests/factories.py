@@ -14,13 +14,13 @@ from typing import Any
 
 from kubernetes_asyncio import client
 
-from service.app.scenario import HYPERVISOR_SPEC, ready_conditions
+from crs_demo.scenario import HYPERVISOR_SPEC, ready_conditions
+from service.k8s import RESOURCE_KINDS
 
-HV = ("kvm.cloud.sap", "v1", "hypervisors")
-RES = ("cortex.cloud", "v1alpha1", "reservations")
-CR = ("cortex.cloud", "v1alpha1", "committedresources")
-KN = ("cortex.cloud", "v1alpha1", "knowledges")
-PLURAL_TO_GVP = {gvp[2]: gvp for gvp in (HV, RES, CR, KN)}
+# (group, version, plural) of each kind, from the service's one definition of the four.
+GVP = {kind: (k.group, k.version, k.plural) for kind, k in RESOURCE_KINDS.items()}
+HV, RES, CR, KN = GVP["Hypervisor"], GVP["Reservation"], GVP["CommittedResource"], GVP["Knowledge"]
+PLURAL_TO_GVP = {gvp[2]: gvp for gvp in GVP.values()}
 CR_LABEL = "reservations.cortex.cloud/type"
 TS = "2026-01-01T00:00:00Z"
 
@@ -146,13 +146,7 @@ def knowledge(
 
 def gvp_of(obj: dict[str, Any]) -> tuple[str, str, str]:
     group, version = obj["apiVersion"].split("/")
-    plural = {
-        "Hypervisor": "hypervisors",
-        "Reservation": "reservations",
-        "CommittedResource": "committedresources",
-        "Knowledge": "knowledges",
-    }[obj["kind"]]
-    return group, version, plural
+    return group, version, RESOURCE_KINDS[obj["kind"]].plural
 
 
 async def create(api: Any, obj: dict[str, Any], *, group: str | None = None) -> dict[str, Any]:

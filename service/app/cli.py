@@ -1,9 +1,11 @@
-"""Command line: ``crs-consumer run | check | seed | demo``.
+"""Command line: ``crs-consumer run | check``.
 
 Every setting can come from its environment variable or from a flag of the same name
 (``CRS_INPUT_TOPIC`` ↔ ``--input-topic``); the flag wins. Exit codes: 0 success, 1 a
 runtime failure (``check`` could not connect, the service failed), 2 invalid
-configuration or usage, with the offending variable named on one line.
+configuration or usage, with the offending variable named on one line. The demo and
+seeding commands live in a separate tool (tools/demo, ``crs-consumer-demo``), which reuses
+:func:`add_settings` and :func:`config_from_args`.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from collections.abc import Sequence
 
 from service.app.config import SETTINGS, Config, ConfigError
 
-__all__ = ["build_parser", "main"]
+__all__ = ["add_settings", "build_parser", "config_from_args", "main"]
 
 
-def _add_settings(parser: argparse.ArgumentParser) -> None:
+def add_settings(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting, defaulting to None so the environment applies when absent."""
     group = parser.add_argument_group("settings (each also read from its environment variable)")
     for s in SETTINGS:
         default = "unset" if s.default is None else s.default
@@ -41,22 +44,20 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (
         ("run", "run the consumer service until SIGTERM/SIGINT"),
         ("check", "validate the configuration and connectivity to Kafka and Kubernetes"),
-        ("seed", "create the demo region in Kubernetes and publish the demo outcomes"),
-        ("demo", "seed the demo region, run the consumer until drained, print a summary"),
     ):
-        p = sub.add_parser(name, help=text, description=text)
-        _add_settings(p)
-        if name in {"seed", "demo"}:
-            p.add_argument("--events", type=int, default=300, help="outcomes to publish")
-            p.add_argument("--seed", dest="random_seed", type=int, default=7, help="RNG seed")
+        add_settings(sub.add_parser(name, help=text, description=text))
     return parser
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The configuration from the environment, overridden by the flags given (ConfigError)."""
+    return Config.load(overrides={s.field: getattr(args, s.field) for s in SETTINGS})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    overrides = {s.field: getattr(args, s.field) for s in SETTINGS}
     try:
-        config = Config.load(overrides=overrides)
+        config = config_from_args(args)
     except ConfigError as exc:
         print(f"crs-consumer: invalid configuration: {exc}", file=sys.stderr)
         return 2
@@ -68,19 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from service.app.runtime import run_service
 
         return asyncio.run(run_service(config))
-    if args.command == "check":
-        # check speaks in one line per dependency; client libraries' own logs would
-        # only repeat the failure it reports.
-        configure_logging("CRITICAL", config.log_format)
-        from service.app.check import run_check
+    # check speaks in one line per dependency; client libraries' own logs would only
+    # repeat the failure it reports.
+    configure_logging("CRITICAL", config.log_format)
+    from service.app.check import run_check
 
-        return asyncio.run(run_check(config))
-    from service.app import demo
-
-    if args.command == "seed":
-        configure_logging(config.log_level, config.log_format)
-        return asyncio.run(demo.seed(config, events=args.events, rng_seed=args.random_seed))
-    return asyncio.run(demo.demo(config, events=args.events, rng_seed=args.random_seed))
+    return asyncio.run(run_check(config))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
 import ssl
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -118,18 +120,23 @@ class Runtime:
             self.stream.request_stop()
 
     async def stop(self) -> None:
-        if self.stream is not None:
-            await self.stream.close()
-        for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        if isinstance(self.state, WatchClusterState):
-            await self.state.stop()
-        if self.client is not None:
-            await self.client.close()
-        if self.http is not None:
-            await self.http.stop()
+        """Close whatever was started, the consumer first, the HTTP server last.
+
+        Every part gets its close call even when an earlier one raises (an exit stack);
+        each failure is logged, and one of them is raised once all parts were closed.
+        """
+        async with contextlib.AsyncExitStack() as stack:
+            # Pushed in reverse: the stack unwinds last in, first out.
+            if self.http is not None:
+                stack.push_async_callback(_close, "http", self.http.stop)
+            if self.client is not None:
+                stack.push_async_callback(_close, "kubernetes_client", self.client.close)
+            if isinstance(self.state, WatchClusterState):
+                stack.push_async_callback(_close, "watch_cache", self.state.stop)
+            for task in self._tasks:
+                stack.push_async_callback(_close, task.get_name(), functools.partial(_cancel, task))
+            if self.stream is not None:
+                stack.push_async_callback(_close, "stream", self.stream.close)
 
     # ------------------------------------------------------------------ probes
 
@@ -174,6 +181,20 @@ class Runtime:
             ok, detail = False, f"kubernetes unreachable: {type(exc).__name__}: {exc}"
         self._k8s_ok = (time.monotonic(), ok, detail)
         return ok, detail
+
+
+async def _cancel(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _close(part: str, close: Callable[[], Awaitable[object]]) -> None:
+    try:
+        await close()
+    except Exception as exc:
+        log.error("close_failed", part=part, error=f"{type(exc).__name__}: {exc}"[:300])
+        raise
 
 
 async def run_service(config: Config) -> int:

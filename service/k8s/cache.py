@@ -47,7 +47,7 @@ from typing import Any, Final
 
 import structlog
 
-from service.crs.evaluator import HostSlots, SlotEvaluator, hv_free_memory, is_slot, slot_summary
+from service.crs.evaluator import HostSlots, SlotEvaluator, hv_free_memory, is_slot
 from service.crs.flavors import FLAVOR_GROUPS_KNOWLEDGE_NAME
 from service.crs.ports import ClusterState, Snapshot, UnavailableError
 from service.k8s.client import (
@@ -246,7 +246,7 @@ class WatchClusterState(ClusterState):
         """Re-summarise one host's slots, in name order (O(slots on the host))."""
         slots = self._slots_by_host.get(host)
         if slots:
-            self._host_slots[host] = HostSlots(slot_summary(slots[n]) for n in sorted(slots))
+            self._host_slots[host] = HostSlots.from_reservations(slots[n] for n in sorted(slots))
         else:
             self._host_slots.pop(host, None)
 
@@ -293,7 +293,7 @@ class WatchClusterState(ClusterState):
         project = self._crs_by_project.get(project_id)
         crs = [project[n] for n in sorted(project)] if project else []
         return Snapshot(
-            evaluator=SlotEvaluator.from_host_slots(hv, by_host),
+            evaluator=SlotEvaluator(hv, by_host),
             committed_resources=crs,
             knowledge=self._knowledge,
         )

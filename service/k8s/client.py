@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Final, Generic, TypeVar
 
 import msgspec
@@ -44,6 +45,7 @@ __all__ = [
     "HYPERVISORS",
     "KNOWLEDGES",
     "RESERVATIONS",
+    "RESOURCE_KINDS",
     "KubeClient",
     "ListResult",
     "ResourceKind",
@@ -73,6 +75,15 @@ HYPERVISORS: Final = ResourceKind("kvm.cloud.sap", "v1", "hypervisors")
 RESERVATIONS: Final = ResourceKind("cortex.cloud", "v1alpha1", "reservations")
 COMMITTED_RESOURCES: Final = ResourceKind("cortex.cloud", "v1alpha1", "committedresources")
 KNOWLEDGES: Final = ResourceKind("cortex.cloud", "v1alpha1", "knowledges")
+# The four kinds by their object ``kind``: the one definition tools and tests use too.
+RESOURCE_KINDS: Final[Mapping[str, ResourceKind]] = MappingProxyType(
+    {
+        "Hypervisor": HYPERVISORS,
+        "Reservation": RESERVATIONS,
+        "CommittedResource": COMMITTED_RESOURCES,
+        "Knowledge": KNOWLEDGES,
+    }
+)
 CR_RESERVATION_SELECTOR: Final = f"{LABEL_RESERVATION_TYPE}={RESERVATION_TYPE_COMMITTED_RESOURCE}"
 
 

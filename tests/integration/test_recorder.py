@@ -622,6 +622,61 @@ async def test_conflict_then_uuid_found_by_reread_is_already_present(env: Env) -
     assert gated.patches == 1
 
 
+async def test_slot_moved_to_another_host_between_read_and_patch_is_no_slot(env: Env) -> None:
+    await seed(env.api, *standard_world(f.reservation("slot-a", host=HOST)))
+    gated = GatedState(env.state)
+    co = client.CustomObjectsApi(env.api)
+
+    async def move(res: Reservation, n: int) -> None:
+        if n == 1:
+            await co.patch_cluster_custom_object(
+                *f.RES,
+                res.name,
+                {"spec": {"targetHost": OTHER}},
+                _content_type="application/merge-patch+json",
+            )
+
+    gated.before_patch = move
+    out = await place(env.recorder_on(gated))
+    assert (out.allocation, out.reservation) == (AllocationStatus.NO_SLOT, None)
+    assert allocations_of(await stored(env.api, "slot-a")) == {}
+
+
+async def test_conflict_then_slot_filled_by_another_writer_is_no_slot(env: Env) -> None:
+    await seed(env.api, *standard_world(f.reservation("slot-a", host=HOST, memory="4Gi")))
+    gated = GatedState(env.state)
+    co = client.CustomObjectsApi(env.api)
+
+    async def fill(res: Reservation, n: int) -> None:
+        if n == 1:
+            crr = {"committedResourceReservation": {"allocations": {"vm-x": f.allocation("4Gi")}}}
+            await co.patch_cluster_custom_object(
+                *f.RES, res.name, {"spec": crr}, _content_type="application/merge-patch+json"
+            )
+
+    gated.before_patch = fill
+    out = await place(env.recorder_on(gated))
+    assert (out.allocation, out.reservation) == (AllocationStatus.NO_SLOT, None)
+    assert set(allocations_of(await stored(env.api, "slot-a"))) == {"vm-x"}
+
+
+async def test_knowledge_turning_ready_is_seen_by_the_next_event(env: Env) -> None:
+    """The parsed flavor groups are memoised per Knowledge version: a new version counts."""
+    world = [
+        o for o in standard_world(f.reservation("slot-1", host=HOST)) if o["kind"] != "Knowledge"
+    ]
+    await seed(env.api, *world, knowledge(is_ready=False))
+    assert (await no_host(env.recorder)).cr_slot == "error"
+    co = client.CustomObjectsApi(env.api)
+    await co.patch_cluster_custom_object_status(
+        *f.KN,
+        "flavor-groups",
+        {"status": {"conditions": f.ready("True")}},
+        _content_type="application/merge-patch+json",
+    )
+    assert (await no_host(env.recorder)).cr_slot == "slot_blocked"
+
+
 async def test_conflicts_exhausted_is_failed(env: Env) -> None:
     await seed(env.api, *standard_world(f.reservation("slot-a", host=HOST)))
     gated = GatedState(env.state)

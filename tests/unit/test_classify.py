@@ -15,7 +15,7 @@ from service.crs import (
     commitments_exhausted,
 )
 from service.model import CommittedResource, from_k8s
-from tests.unit.test_evaluator import GI, slot
+from tests.unit.test_evaluator import GI, evaluator_over, slot
 
 P, G = "project-1", "kvm_v2_hana_s"
 
@@ -96,7 +96,7 @@ def test_commitments_exhausted(crs: list[CommittedResource], expected: bool) -> 
 
 
 def evaluator(**slots_by_host: list[Any]) -> SlotEvaluator:
-    return SlotEvaluator({h: 64 * GI for h in slots_by_host}, slots_by_host)
+    return evaluator_over({h: 64 * GI for h in slots_by_host}, slots_by_host)
 
 
 PLACEMENT = [
@@ -163,7 +163,7 @@ VM = 4 * GI
 
 
 def single_host(free: int, *slots: Any) -> SlotEvaluator:
-    return SlotEvaluator({"h1": free}, {"h1": list(slots)})
+    return evaluator_over({"h1": free}, {"h1": list(slots)})
 
 
 NO_HOST = [

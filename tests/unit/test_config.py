@@ -92,7 +92,18 @@ def test_module_entry_point_is_the_cli() -> None:
     )
     assert proc.returncode == 0
     assert "check" in proc.stdout
-    assert "demo" in proc.stdout
+    # The demo and seeding commands moved to their own tool, out of the service's package.
+    assert "seed" not in proc.stdout
+    demo = subprocess.run(
+        [sys.executable, "-m", "crs_demo", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+    )
+    assert demo.returncode == 0, demo.stderr
+    assert "demo" in demo.stdout
+    assert "seed" in demo.stdout
     bad = subprocess.run(
         [sys.executable, "-m", "service", "check"],
         capture_output=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -16,13 +17,22 @@ from service.crs import (
     pick_slot,
     reservation_remaining_memory,
 )
-from service.crs.evaluator import HostSlots, SlotIndex, slot_summary
+from service.crs.evaluator import HostSlots, slot_summary
 from service.model import Hypervisor, Reservation, from_k8s
 
 MI = 2**20
 GI = 2**30
 LABEL = "reservations.cortex.cloud/type"
 _UNSET: Any = object()
+
+
+def evaluator_over(
+    free: Mapping[str, int], slots_by_host: Mapping[str, Sequence[Reservation]]
+) -> SlotEvaluator:
+    """An evaluator over the given slots per host, taken unfiltered (as a watch cache does)."""
+    return SlotEvaluator(
+        free, {h: HostSlots.from_reservations(rs) for h, rs in slots_by_host.items()}
+    )
 
 
 def hypervisor(
@@ -282,7 +292,7 @@ def test_slots_for_host_filters_project_and_group() -> None:
     mine = slot("mine")
     other_project = slot("other-project", project="q")
     other_group = slot("other-group", group="h")
-    ev = SlotEvaluator({"h1": 64 * GI}, {"h1": [mine, other_project, other_group]})
+    ev = evaluator_over({"h1": 64 * GI}, {"h1": [mine, other_project, other_group]})
     assert ev.slots_for_host("h1", "p", "g") == [mine]
     assert ev.slots_for_host("h2", "p", "g") == []
 
@@ -326,12 +336,12 @@ HAS_USABLE = [
 
 @pytest.mark.parametrize(("free", "slots", "vm", "expected"), HAS_USABLE)
 def test_has_usable_slot(free: int, slots: list[Reservation], vm: int, expected: bool) -> None:
-    ev = SlotEvaluator({"h1": free}, {"h1": slots})
+    ev = evaluator_over({"h1": free}, {"h1": slots})
     assert ev.has_usable_slot("h1", "p", "g", vm) is expected
 
 
 def test_has_usable_slot_unknown_host_counts_zero_free() -> None:
-    ev = SlotEvaluator({}, {"h1": [slot(memory="8Gi")]})
+    ev = evaluator_over({}, {"h1": [slot(memory="8Gi")]})
     # free 0 - blocks 8Gi + remaining 8Gi = 0 >= vm?
     assert ev.has_usable_slot("h1", "p", "g", 0) is True
     assert ev.has_usable_slot("h1", "p", "g", 1) is False
@@ -362,25 +372,37 @@ def test_from_objects_applies_reference_filters() -> None:
 def test_evaluator_accepts_any_mapping_and_small_subsets() -> None:
     from types import MappingProxyType
 
-    slots = {"h1": (slot("a"),)}
+    slots = {"h1": HostSlots.from_reservations((slot("a"),))}
     ev = SlotEvaluator(MappingProxyType({"h1": 16 * GI}), MappingProxyType(slots))
     assert [r.name for r in ev.slots_for_host("h1", "p", "g")] == ["a"]
     assert ev.has_usable_slot("h1", "p", "g", GI) is True
 
 
-# --- precomputed summaries: every construction path answers alike ---------------------
+# --- the summaries answer as a scan over the Reservation objects would ------------------
 
 
-def _paths(free: dict[str, int], by_host: dict[str, list[Reservation]]) -> list[SlotEvaluator]:
-    index = SlotIndex()
-    for host, rs in by_host.items():
-        index.set_host(host, [slot_summary(r) for r in rs])
-    host_slots = {h: HostSlots.from_reservations(rs) for h, rs in by_host.items()}
+def _scan_slots(slots: Sequence[Reservation], project: str, group: str) -> list[Reservation]:
     return [
-        SlotEvaluator(free, by_host),
-        SlotEvaluator.from_host_slots(free, host_slots),
-        SlotEvaluator.from_slot_index(free, index),
+        r
+        for r in slots
+        if r.spec.committed_resource_reservation is not None
+        and r.spec.committed_resource_reservation.matches_group(project, group)
     ]
+
+
+def _scan_usable(
+    free: int, slots: Sequence[Reservation], project: str, group: str, vm: int
+) -> bool:
+    """The reference formula, slot by slot: remaining > 0 and free - blocks + remaining >= vm."""
+    blocks = 0
+    for r in slots:
+        block = (r.spec.resources or {}).get("memory")
+        blocks += block.value() if block is not None else 0
+    return any(
+        reservation_remaining_memory(r) > 0
+        and free - blocks + reservation_remaining_memory(r) >= vm
+        for r in _scan_slots(slots, project, group)
+    )
 
 
 def test_slot_summary() -> None:
@@ -407,21 +429,6 @@ def test_host_slots_precomputes_blocks_and_groups() -> None:
     assert [s.name for s in group.slots] == ["a", "b"]
 
 
-def test_slot_index_replaces_and_forgets_hosts() -> None:
-    index = SlotIndex()
-    index.set_host("h1", [slot_summary(slot("a"))])
-    ev = SlotEvaluator.from_slot_index({"h1": 16 * GI}, index)
-    assert [r.name for r in ev.slots_for_host("h1", "p", "g")] == ["a"]
-    index.set_host("h1", [slot_summary(slot("b", project="q"))])
-    assert ev.slots_for_host("h1", "p", "g") == []
-    assert [r.name for r in ev.slots_for_host("h1", "q", "g")] == ["b"]
-    index.discard_host("h1")
-    assert ev.slots_for_host("h1", "q", "g") == []
-    assert len(index) == 0
-    index.set_host("h1", [])
-    assert len(index) == 0
-
-
 @given(
     st.lists(
         st.tuples(
@@ -437,7 +444,7 @@ def test_slot_index_replaces_and_forgets_hosts() -> None:
     st.integers(0, 40),
     st.integers(0, 24),
 )
-def test_all_construction_paths_agree(
+def test_summaries_agree_with_a_scan_of_the_reservations(
     specs: list[tuple[str, str, str, int, list[int], bool]], free_gib: int, vm_gib: int
 ) -> None:
     by_host: dict[str, list[Reservation]] = {}
@@ -453,16 +460,15 @@ def test_all_construction_paths_agree(
         )
         by_host.setdefault(host, []).append(r)
     free = {"h1": free_gib * GI}
-    evs = _paths(free, by_host)
+    ev = evaluator_over(free, by_host)
     for host in ("h1", "h2", "h3"):
+        slots = by_host.get(host, [])
         for project, group in itertools.product(["p", "q"], ["g", "x"]):
-            legacy = evs[0]
-            expected_slots = legacy.slots_for_host(host, project, group)
+            expected_slots = _scan_slots(slots, project, group)
             expected_any = any(reservation_remaining_memory(r) > 0 for r in expected_slots)
-            expected_usable = legacy.has_usable_slot(host, project, group, vm_gib * GI)
-            for ev in evs:
-                assert ev.slots_for_host(host, project, group) == expected_slots
-                assert ev.has_slot_with_memory(host, project, group) is expected_any
-                assert ev.has_usable_slot(host, project, group, vm_gib * GI) is expected_usable
-                summaries = ev.slot_summaries_for_host(host, project, group)
-                assert [s.reservation for s in summaries] == expected_slots
+            expected_usable = _scan_usable(free.get(host, 0), slots, project, group, vm_gib * GI)
+            assert ev.slots_for_host(host, project, group) == expected_slots
+            assert ev.has_slot_with_memory(host, project, group) is expected_any
+            assert ev.has_usable_slot(host, project, group, vm_gib * GI) is expected_usable
+            summaries = ev.slot_summaries_for_host(host, project, group)
+            assert [s.reservation for s in summaries] == expected_slots

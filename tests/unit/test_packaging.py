@@ -369,8 +369,38 @@ def test_compose_images_are_the_official_ones() -> None:
     assert re.fullmatch(r"registry\.k8s\.io/etcd:3\.6\.\d+(-\d+)?", svcs["etcd"]["image"])
     assert svcs["kube-apiserver"]["image"] == "registry.k8s.io/kube-apiserver:v1.36.3"
     assert re.fullmatch(r"(registry\.k8s\.io|bitnami)/kubectl:v?1\.\d+\.\d+", svcs["crds"]["image"])
-    for name in ("consumer", "seed"):
-        assert svcs[name]["image"] == svcs["consumer"]["image"], "seed reuses the consumer image"
+    assert svcs["seed"]["image"] != svcs["consumer"]["image"], "the demo is not in the image"
+
+
+def build_target(service: dict[str, Any]) -> str | None:
+    build = service.get("build")
+    return build.get("target") if isinstance(build, dict) else None
+
+
+def test_the_demo_tool_is_only_in_the_demo_target() -> None:
+    """The seeding tool writes and deletes cluster objects: never in the runtime image."""
+    stages = {from_image(stage[0][1])[1]: stage for stage in dockerfile_stages()}
+    final_alias = from_image(dockerfile_stages()[-1][0][1])[1]
+    assert final_alias == "runtime", "the default target (last stage) is the runtime image"
+
+    def copies_tools(alias: str | None) -> bool:
+        stage = stages[alias]
+        if any(k == "COPY" and "tools/" in v and "--from=" not in v for k, v in stage):
+            return True
+        parent = from_image(stage[0][1])[0]
+        copied = [v.split("--from=")[1].split()[0] for k, v in stage if "--from=" in v]
+        return any(copies_tools(a) for a in {parent, *copied} if a in stages)
+
+    assert not copies_tools("runtime")
+    assert copies_tools("demo")
+    svcs = services()
+    assert build_target(svcs["consumer"]) in (None, "runtime")
+    assert build_target(svcs["seed"]) == "demo"
+    demo_stage = dict(stages["demo"])
+    assert demo_stage.get("ENTRYPOINT") == '["crs-consumer-demo"]'
+    assert demo_stage.get("USER", "").split(":")[0] == str(APP_UID)
+    service_sources = "\n".join(p.read_text() for p in (REPO / "service").rglob("*.py"))
+    assert "crs_demo" not in service_sources, "the service must not depend on the demo tool"
 
 
 def test_compose_build_context_and_dockerfile_exist() -> None:
@@ -831,6 +861,7 @@ def test_service_servicemonitor_and_pdb_select_the_pods() -> None:
 # ---------------------------------------------------------------- the Dockerfile's steps, run
 
 
+@pytest.mark.slow  # ~20 s: a fresh venv and a wheel build
 def test_dockerfile_install_steps_work_without_docker() -> None:
     """deploy/check-dockerfile-steps.sh: wheel from the COPYd sources, runtime-only venv, CLI."""
     assert os.access(STEPS_SCRIPT, os.X_OK)

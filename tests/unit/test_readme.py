@@ -55,7 +55,7 @@ def test_make_demo_brings_the_dev_stack_up_first() -> None:
     recipe = re.search(r"^demo:.*?\n((?:\t.*\n|[^\n]*\\\n)+)", makefile, re.M)
     assert recipe, "no demo target"
     lines = recipe.group(1)
-    assert lines.index("devstack/up") < lines.index("crs-consumer demo")
+    assert lines.index("devstack/up") < lines.index("crs-consumer-demo demo")
     assert "/env" in lines
 
 

@@ -1,8 +1,10 @@
 """A synthetic but realistic region and a stream of Nova outcomes over it.
 
-Shared by ``crs-consumer seed`` / ``demo``, the docker-compose seeding service and the
-benchmarks, so that "the demo scenario" means one thing everywhere. Deterministic for a
-given seed. Objects are plain API-server JSON (valid under the upstream CRD schemas).
+Shared by ``crs-consumer-demo seed`` / ``demo``, the docker-compose seeding service and
+the benchmarks, so that "the demo scenario" means one thing everywhere. Deterministic for
+a given seed. Objects are plain API-server JSON (valid under the upstream CRD schemas),
+each labelled as the demo's own (:data:`MANAGED_BY` = :data:`DEMO_OWNER`): the only
+objects :mod:`crs_demo.seeding` ever replaces or deletes.
 """
 
 from __future__ import annotations
@@ -13,9 +15,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DEMO_LABEL", "Region", "ScenarioEvent", "build_region", "events", "nova_request"]
+__all__ = [
+    "DEMO_OWNER",
+    "MANAGED_BY",
+    "Region",
+    "ScenarioEvent",
+    "build_region",
+    "events",
+    "nova_request",
+]
 
-DEMO_LABEL = "crs-demo"
+MANAGED_BY = "app.kubernetes.io/managed-by"
+DEMO_OWNER = "crs-consumer-demo"
 # The demo runs with CRS_MAX_EVENT_BYTES=DEMO_MAX_EVENT_BYTES; its oversized poison is
 # larger than that, yet below the broker's default 1 MiB record limit.
 DEMO_MAX_EVENT_BYTES = 256 * 1024
@@ -54,7 +65,7 @@ HYPERVISOR_SPEC: dict[str, Any] = {
 
 
 def _meta(name: str, **labels: str) -> dict[str, Any]:
-    return {"name": name, "labels": {DEMO_LABEL: "true", **labels}}
+    return {"name": name, "labels": {MANAGED_BY: DEMO_OWNER, **labels}}
 
 
 def hypervisor(

@@ -1,18 +1,18 @@
-"""``crs-consumer seed`` and ``crs-consumer demo``.
+"""``crs-consumer-demo seed`` and ``crs-consumer-demo demo``.
 
-``seed`` writes the demo region (see :mod:`service.app.scenario`) into the cluster and
+``seed`` writes the demo region (see :mod:`crs_demo.scenario`) into the cluster and
 publishes the demo outcomes to the configured input topic, for a consumer running
 elsewhere (docker-compose). ``demo`` does the whole tour on the local dev stack: seed,
 run the real service in-process on fresh topics until every event is decided, then
 read the classification and dead-letter topics back and print what happened. Each run
-replaces the previous run's demo objects, so it can be repeated without clean-up.
+replaces the previous run's demo objects (and only those, see :mod:`crs_demo.seeding`),
+so it can be repeated without clean-up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import random
 import sys
@@ -24,85 +24,19 @@ from typing import Any
 
 import msgspec
 
-from service.app import scenario
+from crs_demo import scenario
+from crs_demo.seeding import ForeignObjectsError, set_knowledge_ready, write_region
 from service.app.config import Config
 from service.app.logs import configure_logging
+from service.k8s import KubeClient
 
 __all__ = ["demo", "seed"]
 
 _PARTITIONS = 3  # of each demo topic: enough to show partitions processed concurrently
 
-_PLURALS = {
-    "Hypervisor": ("kvm.cloud.sap", "v1", "hypervisors"),
-    "Reservation": ("cortex.cloud", "v1alpha1", "reservations"),
-    "CommittedResource": ("cortex.cloud", "v1alpha1", "committedresources"),
-    "Knowledge": ("cortex.cloud", "v1alpha1", "knowledges"),
-}
 
-
-async def _api_client(config: Config) -> Any:
-    from kubernetes_asyncio import client
-    from kubernetes_asyncio import config as kconfig
-
-    cfg = client.Configuration()
-    if config.kubeconfig:
-        await kconfig.load_kube_config(config_file=config.kubeconfig, client_configuration=cfg)
-    else:
-        load_incluster: Any = kconfig.load_incluster_config  # untyped upstream
-        load_incluster(client_configuration=cfg)
-    return client.ApiClient(configuration=cfg)
-
-
-async def write_region(api: Any, region: scenario.Region) -> None:
-    """Replace every demo object: delete the previous run's, create this run's."""
-    from kubernetes_asyncio import client
-
-    co = client.CustomObjectsApi(api)
-    for group, version, plural in _PLURALS.values():
-        await co.delete_collection_cluster_custom_object(
-            group, version, plural, label_selector=f"{scenario.DEMO_LABEL}=true"
-        )
-    # The flavor-groups Knowledge may pre-exist without the demo label.
-    with contextlib.suppress(client.exceptions.ApiException):
-        await co.delete_cluster_custom_object(
-            "cortex.cloud", "v1alpha1", "knowledges", "flavor-groups"
-        )
-
-    sem = asyncio.Semaphore(16)
-
-    async def create(obj: dict[str, Any]) -> None:
-        group, version, plural = _PLURALS[obj["kind"]]
-        body = dict(obj)
-        status = body.pop("status", None)
-        async with sem:
-            for _ in range(50):  # deletion of the previous run may still be finishing
-                try:
-                    stored = await co.create_cluster_custom_object(group, version, plural, body)
-                    break
-                except client.exceptions.ApiException as exc:
-                    if exc.status != 409:
-                        raise
-                    await asyncio.sleep(0.1)
-            else:
-                raise RuntimeError(f"{obj['metadata']['name']} still exists")
-            if status is not None:
-                stored["status"] = status
-                await co.replace_cluster_custom_object_status(
-                    group, version, plural, obj["metadata"]["name"], stored
-                )
-
-    await asyncio.gather(*(create(o) for o in region.objects()))
-
-
-async def set_knowledge_ready(api: Any, ready: bool) -> None:
-    from kubernetes_asyncio import client
-
-    co: Any = client.CustomObjectsApi(api)
-    patch = {"status": {"conditions": scenario.knowledge(ready)["status"]["conditions"]}}
-    await co.patch_cluster_custom_object_status(
-        "cortex.cloud", "v1alpha1", "knowledges", "flavor-groups", patch,
-        _content_type="application/merge-patch+json",
-    )  # fmt: skip
+async def _kube(config: Config) -> KubeClient:
+    return await KubeClient.create(config.kubeconfig, request_timeout_s=config.k8s_timeout_s)
 
 
 async def publish(config: Config, topic: str, items: list[scenario.ScenarioEvent]) -> int:
@@ -132,11 +66,12 @@ async def publish(config: Config, topic: str, items: list[scenario.ScenarioEvent
 async def seed(config: Config, *, events: int = 300, rng_seed: int = 7) -> int:
     rng = random.Random(rng_seed)
     region = scenario.build_region(rng)
-    api = await _api_client(config)
-    try:
-        await write_region(api, region)
-    finally:
-        await api.close()
+    async with await _kube(config) as kube:
+        try:
+            await write_region(kube, region)
+        except ForeignObjectsError as exc:
+            print(f"crs-consumer-demo: {exc}", file=sys.stderr)
+            return 1
     n = await publish(config, config.input_topic, list(scenario.events(region, rng, events)))
     print(f"seeded {len(region.objects())} objects, published {n} outcomes to {config.input_topic}")
     return 0
@@ -215,14 +150,21 @@ async def demo(config: Config, *, events: int = 300, rng_seed: int = 7) -> int:
     log_path = Path(tempfile.gettempdir()) / f"crs-demo-{run_id}.log"
     log_file = log_path.open("w")
     configure_logging("INFO", "json", stream=log_file)
-    print(f"crs-consumer demo {run_id}: Kafka {cfg.bootstrap_servers}, kubeconfig {cfg.kubeconfig}")
+    print(
+        f"crs-consumer-demo demo {run_id}: "
+        f"Kafka {cfg.bootstrap_servers}, kubeconfig {cfg.kubeconfig}"
+    )
     region = scenario.build_region(rng)
     items = list(scenario.events(region, rng, events))
-    api = await _api_client(cfg)
+    kube = await _kube(cfg)
     runtime: Runtime | None = None
     t0 = time.monotonic()
     try:
-        await write_region(api, region)
+        try:
+            await write_region(kube, region)
+        except ForeignObjectsError as exc:
+            print(f"crs-consumer-demo: {exc}", file=sys.stderr)
+            return 1
         print(
             f"seeded region: {len(region.hypervisors)} hypervisors in 3 AZs, "
             f"{len(region.reservations)} reservation slots, "
@@ -244,13 +186,13 @@ async def demo(config: Config, *, events: int = 300, rng_seed: int = 7) -> int:
         progress = _Progress(len(items) + 5, "processing")
         await _wait_processed(runtime, len(items), progress, loop_task)
         # Phase two: the flavor-groups Knowledge goes not-Ready; placements count as error.
-        await set_knowledge_ready(api, False)
+        await set_knowledge_ready(kube, False)
         await asyncio.sleep(1.0)  # the watch cache sees the change
         errors = [e for e in scenario.events(region, rng, 40) if e.expect == "slot_used"][:5]
         await publish(cfg, cfg.input_topic, errors)
         await _wait_processed(runtime, len(items) + len(errors), progress, loop_task)
         progress.done()
-        await set_knowledge_ready(api, True)
+        await set_knowledge_ready(kube, True)
         total = len(items) + len(errors)
         outputs = await _read_topic(
             cfg, cfg.output_topic, total - sum(e.poison is not None for e in items)
@@ -269,7 +211,7 @@ async def demo(config: Config, *, events: int = 300, rng_seed: int = 7) -> int:
         if runtime is not None:
             runtime.request_stop()
             await runtime.stop()
-        await api.close()
+        await kube.close()
         log_file.close()
 
 

@@ -1,0 +1,602 @@
+"""The Recorder on the in-memory cluster state: the reference cases and the races, fast.
+
+Mirrors tests/integration/test_recorder.py (which runs the same cases against the real
+API server) case by case, so the Recorder's logic, including conflicts and deletions
+between read and patch, is checked in milliseconds. Assertions are about outcomes (what
+was written, what was counted, what the outcome says), not about how many times the
+Recorder retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from service.crs import Recorder, new_no_host_found_counter, new_placement_counter
+from service.crs.outcome import AllocationStatus, Outcome
+from service.crs.ports import (
+    ClusterState,
+    ConflictError,
+    NotFoundError,
+    Snapshot,
+    UnavailableError,
+)
+from service.model import Reservation
+from service.quantity import parse_quantity
+from tests import factories as f
+from tests import nova
+from tests.fakes.cluster_state import InMemoryClusterState
+
+HOST = "host-a"
+OTHER = "host-b"
+PROJECT = "p1"
+GROUP = "g1"
+UUID = "11111111-2222-3333-4444-555555555555"
+NOW = datetime(2026, 12, 2, 10, 11, 12, 987654, tzinfo=UTC)
+NOW_TEXT = "2026-12-02T10:11:12Z"
+# Give up quickly on a slot that keeps changing (the one place naming the retry knobs).
+QUICK_GIVE_UP: dict[str, Any] = {"max_conflict_retries": 2, "backoff_s": 0.001}
+
+
+def knowledge(**kwargs: Any) -> dict[str, Any]:
+    return f.knowledge(
+        [
+            f.flavor_group(GROUP, [f.flavor("m1.large", 4096, 2), f.flavor("m1.xlarge", 8192, 4)]),
+            f.flavor_group("g2", [f.flavor("other.small", 2048, 1)]),
+        ],
+        **kwargs,
+    )
+
+
+def standard_world(*reservations: dict[str, Any], cr_state: str = "confirmed") -> list[Any]:
+    return [
+        knowledge(),
+        f.committed_resource("cr-1", project=PROJECT, group=GROUP, amount="64Gi", state=cr_state),
+        f.hypervisor(HOST),
+        f.hypervisor(OTHER),
+        *reservations,
+    ]
+
+
+class Env:
+    def __init__(self) -> None:
+        self.state = InMemoryClusterState()
+        self.registry = CollectorRegistry()
+        self.placement_counter = new_placement_counter(self.registry)
+        self.no_host_found_counter = new_no_host_found_counter(self.registry)
+        self.recorder = self.recorder_on(self.state)
+
+    def recorder_on(self, state: ClusterState, **kwargs: Any) -> Recorder:
+        """Another Recorder on the same counters (another replica, as far as writes go)."""
+        return Recorder(
+            state,
+            self.placement_counter,
+            self.no_host_found_counter,
+            clock=lambda: NOW,
+            **kwargs,
+        )
+
+    def seed(self, *objs: dict[str, Any]) -> None:
+        self.state.put(*objs)
+
+    def allocations(self, name: str) -> dict[str, Any]:
+        obj = self.state.stored("Reservation", name)
+        assert obj is not None, f"{name} is gone"
+        return obj["spec"].get("committedResourceReservation", {}).get("allocations") or {}
+
+    def placement(self, cr_slot: str, group: str = GROUP, intent: str = "Unknown") -> float:
+        value = self.registry.get_sample_value(
+            "cortex_nova_placement_total",
+            {"flavor_group": group, "intent": intent, "cr_slot": cr_slot},
+        )
+        return value or 0.0
+
+    def no_host_found(self, cr_slot: str, group: str = GROUP, intent: str = "Unknown") -> float:
+        value = self.registry.get_sample_value(
+            "cortex_nova_no_host_found_total",
+            {"cr_slot": cr_slot, "flavor_group": group, "intent": intent},
+        )
+        return value or 0.0
+
+    def total(self, metric: str) -> float:
+        return sum(
+            s.value
+            for fam in self.registry.collect()
+            for s in fam.samples
+            if s.name == f"{metric}_total"
+        )
+
+
+@pytest.fixture
+def env() -> Env:
+    return Env()
+
+
+async def place(
+    rec: Recorder,
+    *,
+    uuid: str = UUID,
+    target: str = HOST,
+    candidates: Sequence[str] | None = None,
+    flavor: str = "m1.large",
+    **req: Any,
+) -> Outcome:
+    cands = list(candidates) if candidates is not None else [target]
+    request = nova.parse_request(
+        nova.request(uuid, project_id=PROJECT, flavor_name=flavor, hosts=cands, **req)
+    )
+    return await rec.record_placement(nova.decision(target, cands), request)
+
+
+async def no_host(
+    rec: Recorder, *, hosts: Sequence[str] = (HOST,), flavor: str = "m1.large", **req: Any
+) -> Outcome:
+    request = nova.parse_request(
+        nova.request(UUID, project_id=PROJECT, flavor_name=flavor, hosts=hosts, **req)
+    )
+    return await rec.record_no_host_found(nova.decision(None, []), request)
+
+
+# --- the reference recorder's cases -------------------------------------------------------
+
+
+async def test_writes_allocation_into_matching_slot(env: Env) -> None:
+    env.seed(*standard_world(f.reservation("slot-1", host=HOST, memory="8Gi")))
+    out = await place(env.recorder)
+    assert (out.cr_slot, out.allocation, out.reservation) == (
+        "slot_used",
+        AllocationStatus.WRITTEN,
+        "slot-1",
+    )
+    assert (out.flavor_group, out.vm_memory_bytes, out.conflicts) == (GROUP, 4 << 30, 0)
+    assert env.allocations("slot-1") == {
+        UUID: {"creationTimestamp": NOW_TEXT, "resources": {"memory": "4Gi", "cpu": "2"}}
+    }
+    assert env.placement("slot_used") == 1
+    assert env.total("cortex_nova_placement") == 1
+    assert env.state.patch_results == {"200": 1}
+
+
+async def test_memory_quantity_is_binary_si_of_the_group_flavor(env: Env) -> None:
+    env.seed(*standard_world(f.reservation("slot-1", host=HOST, memory="16Gi")))
+    out = await place(env.recorder, flavor="m1.xlarge", memory_mb=1, vcpus=1)
+    assert out.allocation is AllocationStatus.WRITTEN
+    assert env.allocations("slot-1")[UUID]["resources"] == {"memory": "8Gi", "cpu": "4"}
+
+
+async def test_idempotent_when_uuid_already_allocated(env: Env) -> None:
+    env.seed(
+        *standard_world(
+            f.reservation(
+                "slot-1", host=HOST, memory="8Gi", allocations={UUID: f.allocation("4Gi")}
+            )
+        )
+    )
+    before = env.state.stored("Reservation", "slot-1")
+    out = await place(env.recorder)
+    assert (out.cr_slot, out.allocation, out.reservation) == (
+        "slot_used",
+        AllocationStatus.ALREADY_PRESENT,
+        "slot-1",
+    )
+    assert env.state.stored("Reservation", "slot-1") == before
+    assert env.state.calls["patch_allocation"] == 0
+    assert env.placement("slot_used") == 1
+
+
+async def test_payg_flavor_no_write_no_count(env: Env) -> None:
+    env.seed(*standard_world(f.reservation("slot-1", host=HOST)))
+    out = await place(env.recorder, flavor="unknown-flavor")
+    assert (out.cr_slot, out.flavor_group, out.allocation) == (
+        "payg",
+        None,
+        AllocationStatus.NOT_APPLICABLE,
+    )
+    assert env.allocations("slot-1") == {}
+    assert env.total("cortex_nova_placement") == 0
+
+
+async def test_host_mismatch_no_write(env: Env) -> None:
+    env.seed(*standard_world(f.reservation("slot-1", host=OTHER)))
+    out = await place(env.recorder)
+    assert (out.cr_slot, out.allocation) == ("slot_missed", AllocationStatus.NOT_APPLICABLE)
+    assert env.allocations("slot-1") == {}
+    assert env.placement("slot_missed") == 1
+
+
+async def test_full_slot_no_write(env: Env) -> None:
+    full = f.reservation(
+        "slot-full", host=HOST, memory="4Gi", allocations={"other-vm": f.allocation("4Gi")}
+    )
+    env.seed(*standard_world(full))
+    out = await place(env.recorder)
+    assert out.cr_slot == "slot_missed"
+    assert set(env.allocations("slot-full")) == {"other-vm"}
+    assert env.placement("slot_missed") == 1
+
+
+async def test_pending_commitment_no_write(env: Env) -> None:
+    env.seed(*standard_world(f.reservation("slot-1", host=HOST), cr_state="pending"))
+    out = await place(env.recorder)
+    assert out.cr_slot == "no_cr"
+    assert env.allocations("slot-1") == {}
+    assert env.placement("no_cr") == 1
+
+
+async def test_missing_knowledge_counts_error_unknown_group(env: Env) -> None:
+    env.seed(
+        *(o for o in standard_world(f.reservation("slot-1", host=HOST)) if o["kind"] != "Knowledge")
+    )
+    out = await place(env.recorder)
+    assert (out.cr_slot, out.flavor_group) == ("error", "unknown")
+    assert env.allocations("slot-1") == {}
+    assert env.placement("error", group="unknown") == 1
+    assert env.total("cortex_nova_placement") == 1
+
+
+async def test_knowledge_not_ready_counts_error(env: Env) -> None:
+    env.seed(
+        *(
+            o
+            for o in standard_world(f.reservation("slot-1", host=HOST))
+            if o["kind"] != "Knowledge"
+        ),
+        knowledge(is_ready=False),
+    )
+    request = nova.parse_request(nova.request(UUID, project_id=PROJECT, hosts=[HOST]))
+    out = await env.recorder.record_no_host_found(nova.decision(None), request)
+    assert (out.cr_slot, out.flavor_group) == ("error", "unknown")
+    assert env.no_host_found("error", group="unknown") == 1
+
+
+async def test_knowledge_turning_ready_is_seen_by_the_next_event(env: Env) -> None:
+    """The parsed flavor groups are memoised per Knowledge version: a new version counts."""
+    env.seed(*standard_world(f.reservation("slot-1", host=HOST)))
+    env.state.put(knowledge(is_ready=False))
+    assert (await no_host(env.recorder)).cr_slot == "error"
+    env.state.put(knowledge())
+    assert (await no_host(env.recorder)).cr_slot == "slot_blocked"
+
+
+async def test_skip_option_no_write_no_count(env: Env) -> None:
+    env.seed(*standard_world(f.reservation("slot-1", host=HOST)))
+    out = await place(env.recorder, skip_cr_tracking=True)
+    assert (out.cr_slot, out.allocation) == ("skipped", AllocationStatus.NOT_APPLICABLE)
+    assert env.allocations("slot-1") == {}
+    assert env.total("cortex_nova_placement") == 0
+    assert sum(env.state.calls.values()) == 0  # nothing was even read
+
+
+async def test_skip_option_does_not_apply_to_no_host_found(env: Env) -> None:
+    env.seed(*standard_world())
+    out = await no_host(env.recorder, skip_cr_tracking=True)
+    assert out.cr_slot == "slot_exhausted"
+    assert env.no_host_found("slot_exhausted") == 1
+
+
+# --- placement classes ---------------------------------------------------------------------
+
+
+async def test_placement_no_cr_when_commitments_exhausted(env: Env) -> None:
+    world = standard_world(f.reservation("slot-1", host=HOST))
+    world[1] = f.committed_resource("cr-1", project=PROJECT, group=GROUP, amount="8Gi", used="8Gi")
+    env.seed(*world)
+    out = await place(env.recorder)
+    assert out.cr_slot == "no_cr"
+    assert env.placement("no_cr") == 1
+
+
+async def test_placement_slot_used_on_candidate_but_not_target_is_no_slot(env: Env) -> None:
+    env.seed(*standard_world(f.reservation("slot-b", host=OTHER)))
+    out = await place(env.recorder, target=HOST, candidates=[HOST, OTHER])
+    assert (out.cr_slot, out.allocation) == ("slot_used", AllocationStatus.NO_SLOT)
+    assert env.allocations("slot-b") == {}
+    assert env.placement("slot_used") == 1
+
+
+async def test_placement_intent_label_from_hints(env: Env) -> None:
+    env.seed(*standard_world(f.reservation("slot-1", host=HOST)))
+    out = await place(env.recorder, hints={"_nova_check_type": ["live_migrate"]})
+    assert out.intent == "live_migration"
+    assert env.placement("slot_used", intent="live_migration") == 1
+
+
+async def test_placement_ignores_other_projects_and_not_ready_slots(env: Env) -> None:
+    names = ("slot-other-project", "slot-other-group", "slot-not-ready", "slot-failover")
+    env.seed(
+        *standard_world(
+            f.reservation(names[0], host=HOST, project="p2"),
+            f.reservation(names[1], host=HOST, group="g2"),
+            f.reservation(names[2], host=HOST, is_ready=False),
+            f.reservation(names[3], host=HOST, label="failover"),
+        )
+    )
+    out = await place(env.recorder)
+    assert out.cr_slot == "slot_missed"
+    for name in names:
+        assert env.allocations(name) == {}
+
+
+# --- no-host-found classes -----------------------------------------------------------------
+
+
+async def test_no_host_found_no_cr(env: Env) -> None:
+    env.seed(*(o for o in standard_world() if o["kind"] != "CommittedResource"))
+    out = await no_host(env.recorder)
+    assert (out.cr_slot, out.kind, out.target_host) == ("no_cr", "no_host_found", None)
+    assert env.no_host_found("no_cr") == 1
+
+
+async def test_no_host_found_cr_exhausted(env: Env) -> None:
+    world = standard_world(f.reservation("slot-1", host=HOST))
+    world[1] = f.committed_resource("cr-1", project=PROJECT, group=GROUP, amount="8Gi", used="9Gi")
+    env.seed(*world)
+    await no_host(env.recorder)
+    assert env.no_host_found("cr_exhausted") == 1
+
+
+async def test_no_host_found_slot_exhausted(env: Env) -> None:
+    full = f.reservation("slot-1", host=HOST, memory="4Gi", allocations={"x": f.allocation("4Gi")})
+    env.seed(*standard_world(full, f.reservation("slot-2", host="host-c")))
+    await no_host(env.recorder, hosts=[HOST, OTHER])  # slot-2 has room, but not on an input host
+    assert env.no_host_found("slot_exhausted") == 1
+
+
+async def test_no_host_found_slot_blocked(env: Env) -> None:
+    env.seed(*standard_world(f.reservation("slot-1", host=OTHER)))
+    out = await no_host(env.recorder, hosts=[HOST, OTHER])
+    assert out.cr_slot == "slot_blocked"
+    assert out.vm_memory_bytes == 4 << 30
+    assert env.no_host_found("slot_blocked") == 1
+    assert env.total("cortex_nova_no_host_found") == 1
+
+
+async def test_no_host_found_slot_exhausted_when_host_has_no_free_memory(env: Env) -> None:
+    world = [
+        o for o in standard_world(f.reservation("slot-1", host=HOST)) if o["kind"] != "Hypervisor"
+    ]
+    env.seed(*world, f.hypervisor(HOST, memory="16Gi", allocated="12Gi"))
+    await no_host(env.recorder, flavor="m1.xlarge")
+    assert env.no_host_found("slot_exhausted") == 1
+
+
+async def test_no_host_found_payg_not_counted(env: Env) -> None:
+    env.seed(*standard_world())
+    out = await no_host(env.recorder, flavor="nope")
+    assert out.cr_slot == "payg"
+    assert env.total("cortex_nova_no_host_found") == 0
+
+
+# --- concurrency: 409s and 404s between read and patch -----------------------------------
+
+
+class BarrierState:
+    """Delegates to the fake; every writer waits at the barrier after its snapshot, so
+    all of them decide on the same data (the worst case for the write guard)."""
+
+    def __init__(self, inner: InMemoryClusterState, parties: int) -> None:
+        self.inner = inner
+        self.barrier = asyncio.Barrier(parties)
+
+    async def snapshot(self, hosts: Any, project_id: str) -> Snapshot:
+        snap = await self.inner.snapshot(hosts, project_id)
+        await self.barrier.wait()
+        return snap
+
+    async def reservations_on_host(self, host: str) -> Sequence[Reservation]:
+        return await self.inner.reservations_on_host(host)
+
+    async def get_reservation(self, name: str) -> Reservation | None:
+        return await self.inner.get_reservation(name)
+
+    async def patch_allocation(
+        self, reservation: Reservation, instance_uuid: str, allocation: dict[str, object]
+    ) -> Reservation:
+        return await self.inner.patch_allocation(reservation, instance_uuid, allocation)
+
+
+async def test_race_eight_writers_two_slots(env: Env) -> None:
+    env.seed(
+        *standard_world(
+            f.reservation("slot-1", host=HOST, memory="8Gi"),
+            f.reservation("slot-2", host=HOST, memory="8Gi"),
+        )
+    )
+    gated = BarrierState(env.state, 8)
+    # Eight writers as eight replicas would be: only the resourceVersion guard between them.
+    recs = [env.recorder_on(gated) for _ in range(8)]
+    uuids = [f"vm-{i}" for i in range(8)]
+
+    outs = await asyncio.gather(*(place(r, uuid=u) for r, u in zip(recs, uuids, strict=True)))
+
+    slots = {n: env.allocations(n) for n in ("slot-1", "slot-2")}
+    placed = [u for allocs in slots.values() for u in allocs]
+    assert len(placed) == 4
+    assert len(set(placed)) == 4, "a VM appears in two slots"
+    for name, allocs in slots.items():
+        used = sum(parse_quantity(a["resources"]["memory"]).value() for a in allocs.values())
+        assert used <= 8 << 30, f"{name} overfilled: {used}"
+    assert sorted(o.allocation.value for o in outs) == ["no_slot"] * 4 + ["written"] * 4
+    for o in outs:
+        if o.allocation is AllocationStatus.WRITTEN:
+            assert o.instance_uuid in slots[o.reservation or ""]
+    assert sum(o.conflicts for o in outs) >= 1
+    assert env.state.patch_results["409"] >= 1
+    assert env.state.patch_results["200"] == 4
+    assert env.placement("slot_used") == 8
+
+
+async def test_one_replica_serialises_placements_per_host_without_conflicts(env: Env) -> None:
+    env.seed(
+        *standard_world(
+            f.reservation("slot-1", host=HOST, memory="8Gi"),
+            f.reservation("slot-2", host=HOST, memory="8Gi"),
+        )
+    )
+    outs = await asyncio.gather(*(place(env.recorder, uuid=f"vm-{i}") for i in range(12)))
+    statuses = sorted((o.cr_slot, o.allocation.value) for o in outs)
+    assert statuses == [("slot_missed", "not_applicable")] * 8 + [("slot_used", "written")] * 4
+    assert sum(o.conflicts for o in outs) == 0
+    assert env.state.patch_results["409"] == 0
+
+
+async def test_without_the_host_lock_one_replica_still_never_overfills(env: Env) -> None:
+    """serialize_per_host=False: the same burst races inside one process; the guard holds."""
+    env.seed(*standard_world(f.reservation("slot-1", host=HOST, memory="8Gi")))
+    rec = env.recorder_on(env.state, serialize_per_host=False)
+    outs = await asyncio.gather(*(place(rec, uuid=f"vm-{i}") for i in range(6)))
+    assert set(env.allocations("slot-1")) == {
+        o.instance_uuid for o in outs if o.allocation is AllocationStatus.WRITTEN
+    }
+    assert len(env.allocations("slot-1")) == 2
+
+
+async def test_a_vm_written_into_a_sibling_slot_meanwhile_is_found_after_a_conflict(
+    env: Env,
+) -> None:
+    env.seed(
+        *standard_world(
+            f.reservation("slot-1", host=HOST, memory="8Gi"),
+            f.reservation("slot-2", host=HOST, memory="16Gi"),
+        )
+    )
+
+    async def race(res: Reservation, n: int) -> None:
+        if n == 1:
+            assert res.name == "slot-1"
+            other = {"creationTimestamp": "2026-01-01T00:00:00Z", "resources": {"memory": "1Gi"}}
+            for name, vm in (("slot-1", "someone-else"), ("slot-2", UUID)):
+                crr = {"committedResourceReservation": {"allocations": {vm: other}}}
+                env.state.patch("Reservation", name, {"spec": crr})
+
+    env.state.before_patch = race
+    out = await place(env.recorder)
+    assert (out.allocation, out.reservation) == (AllocationStatus.ALREADY_PRESENT, "slot-2")
+    assert out.conflicts >= 1
+    assert UUID not in env.allocations("slot-1")
+
+
+async def test_reservation_deleted_between_read_and_patch_moves_to_other_slot(env: Env) -> None:
+    env.seed(
+        *standard_world(
+            f.reservation("slot-a", host=HOST, memory="8Gi"),
+            f.reservation("slot-b", host=HOST, memory="16Gi"),
+        )
+    )
+
+    async def delete_first(res: Reservation, n: int) -> None:
+        if n == 1:
+            assert res.name == "slot-a"  # tightest fit is chosen first
+            env.state.delete("Reservation", res.name)
+
+    env.state.before_patch = delete_first
+    out = await place(env.recorder)
+    assert (out.allocation, out.reservation) == (AllocationStatus.WRITTEN, "slot-b")
+    assert out.conflicts >= 1
+    assert UUID in env.allocations("slot-b")
+    assert env.state.patch_results == {"404": 1, "200": 1}
+
+
+async def test_only_slot_deleted_between_read_and_patch_is_no_slot(env: Env) -> None:
+    env.seed(*standard_world(f.reservation("slot-a", host=HOST)))
+
+    async def delete(res: Reservation, n: int) -> None:
+        env.state.delete("Reservation", res.name)
+
+    env.state.before_patch = delete
+    out = await place(env.recorder)
+    assert (out.allocation, out.reservation) == (AllocationStatus.NO_SLOT, None)
+    assert out.conflicts >= 1
+    assert env.state.stored("Reservation", "slot-a") is None
+
+
+async def test_slot_moved_to_another_host_between_read_and_patch_is_no_slot(env: Env) -> None:
+    env.seed(*standard_world(f.reservation("slot-a", host=HOST)))
+
+    async def move(res: Reservation, n: int) -> None:
+        if n == 1:
+            env.state.patch("Reservation", res.name, {"spec": {"targetHost": OTHER}})
+
+    env.state.before_patch = move
+    out = await place(env.recorder)
+    assert (out.allocation, out.reservation) == (AllocationStatus.NO_SLOT, None)
+    assert env.allocations("slot-a") == {}
+
+
+async def test_conflict_then_uuid_found_by_reread_is_already_present(env: Env) -> None:
+    env.seed(*standard_world(f.reservation("slot-a", host=HOST)))
+
+    async def other_writer(res: Reservation, n: int) -> None:
+        if n == 1:
+            crr = {"committedResourceReservation": {"allocations": {UUID: f.allocation("4Gi")}}}
+            env.state.patch("Reservation", res.name, {"spec": crr})
+
+    env.state.before_patch = other_writer
+    out = await place(env.recorder)
+    assert (out.allocation, out.reservation) == (AllocationStatus.ALREADY_PRESENT, "slot-a")
+    assert out.conflicts >= 1
+    assert env.state.patch_results == {"409": 1}
+
+
+async def test_conflict_then_slot_filled_by_another_writer_is_no_slot(env: Env) -> None:
+    env.seed(*standard_world(f.reservation("slot-a", host=HOST, memory="4Gi")))
+
+    async def fill(res: Reservation, n: int) -> None:
+        if n == 1:
+            crr = {"committedResourceReservation": {"allocations": {"vm-x": f.allocation("4Gi")}}}
+            env.state.patch("Reservation", res.name, {"spec": crr})
+
+    env.state.before_patch = fill
+    out = await place(env.recorder)
+    assert (out.allocation, out.reservation) == (AllocationStatus.NO_SLOT, None)
+    assert set(env.allocations("slot-a")) == {"vm-x"}
+
+
+async def test_a_slot_that_keeps_changing_ends_failed_with_nothing_written(env: Env) -> None:
+    env.seed(*standard_world(f.reservation("slot-a", host=HOST)))
+
+    async def touch(res: Reservation, n: int) -> None:
+        env.state.patch("Reservation", res.name, {"metadata": {"labels": {"touched": str(n)}}})
+
+    env.state.before_patch = touch
+    out = await place(env.recorder_on(env.state, **QUICK_GIVE_UP))
+    assert (out.allocation, out.reservation) == (AllocationStatus.FAILED, "slot-a")
+    assert out.conflicts >= 1
+    assert out.conflicts == env.state.patch_results["409"]
+    assert env.state.patch_results["200"] == 0
+    assert env.allocations("slot-a") == {}
+    assert env.placement("slot_used") == 1
+
+
+async def test_snapshot_failure_is_raised_not_swallowed(env: Env) -> None:
+    env.seed(*standard_world(f.reservation("slot-1", host=HOST)))
+    env.state.read_error = UnavailableError("connection refused", status=None)
+    with pytest.raises(UnavailableError):
+        await place(env.recorder)
+    with pytest.raises(UnavailableError):
+        await no_host(env.recorder)
+    assert env.total("cortex_nova_placement") == 0
+    assert env.total("cortex_nova_no_host_found") == 0
+
+
+# --- the fake itself keeps the API server's write rules ------------------------------------
+
+
+async def test_fake_rejects_a_stale_patch_and_bumps_the_resource_version(env: Env) -> None:
+    env.seed(f.reservation("slot-a", host=HOST))
+    read = await env.state.get_reservation("slot-a")
+    assert read is not None
+    written = await env.state.patch_allocation(read, "vm-1", f.allocation("1Gi"))
+    assert int(written.metadata.resource_version or 0) > int(read.metadata.resource_version or 0)
+    with pytest.raises(ConflictError, match="modified") as conflict:
+        await env.state.patch_allocation(read, "vm-2", f.allocation("1Gi"))
+    assert conflict.value.status == 409
+    env.state.delete("Reservation", "slot-a")
+    with pytest.raises(NotFoundError, match="not found") as gone:
+        await env.state.patch_allocation(written, "vm-2", f.allocation("1Gi"))
+    assert gone.value.status == 404

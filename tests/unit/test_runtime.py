@@ -1,0 +1,78 @@
+"""Runtime.stop: every started part is closed, in order, whatever fails on the way."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from service.app.config import Config
+from service.app.runtime import Runtime
+from service.k8s.cache import WatchClusterState
+
+
+class Part:
+    """Stands for one started part; records when it is closed, optionally failing."""
+
+    def __init__(self, name: str, closed: list[str], fail: bool = False) -> None:
+        self.name, self.closed, self.fail = name, closed, fail
+
+    async def close(self) -> None:
+        self.closed.append(self.name)
+        if self.fail:
+            raise RuntimeError(f"{self.name} failed to close")
+
+    stop = close
+
+
+class FakeWatchState(WatchClusterState):
+    """Only the lifecycle of a watch cache (stop), without informers."""
+
+    def __init__(self, part: Part) -> None:
+        self._part = part
+
+    async def stop(self) -> None:
+        await self._part.close()
+
+
+def runtime_with_parts(closed: list[str], failing: set[str]) -> tuple[Runtime, asyncio.Task[Any]]:
+    runtime = Runtime(Config.load(env={}))
+    parts = {n: Part(n, closed, n in failing) for n in ("stream", "state", "client", "http")}
+    fake: Any = runtime
+    fake.stream, fake.client, fake.http = parts["stream"], parts["client"], parts["http"]
+    fake.state = FakeWatchState(parts["state"])
+    task = asyncio.create_task(asyncio.sleep(3600), name="watchdog")
+    runtime._tasks.append(task)
+    return runtime, task
+
+
+async def test_stop_closes_every_part_in_reverse_start_order() -> None:
+    closed: list[str] = []
+    runtime, task = runtime_with_parts(closed, failing=set())
+    await runtime.stop()
+    assert closed == ["stream", "state", "client", "http"]
+    assert task.cancelled()
+
+
+@pytest.mark.parametrize("failing", ["stream", "state", "client", "http"])
+async def test_one_close_raising_does_not_keep_the_others_open(failing: str) -> None:
+    closed: list[str] = []
+    runtime, task = runtime_with_parts(closed, failing={failing})
+    with pytest.raises(RuntimeError, match=f"{failing} failed to close"):
+        await runtime.stop()
+    assert closed == ["stream", "state", "client", "http"]
+    assert task.cancelled()
+
+
+async def test_every_close_raising_still_closes_all() -> None:
+    closed: list[str] = []
+    runtime, task = runtime_with_parts(closed, failing={"stream", "state", "client", "http"})
+    with pytest.raises(RuntimeError, match="failed to close"):
+        await runtime.stop()
+    assert closed == ["stream", "state", "client", "http"]
+    assert task.cancelled()
+
+
+async def test_stop_before_start_closes_nothing() -> None:
+    await Runtime(Config.load(env={})).stop()
