@@ -8,12 +8,55 @@ from before a rebalance.
 from __future__ import annotations
 
 import contextlib
+import platform
+from importlib import metadata
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    gc_collector,
+    platform_collector,
+    process_collector,
+)
 
 from service.crs import new_no_host_found_counter, new_placement_counter
+from service.crs.outcome import AllocationStatus
+from service.stream.codec import POISON_CODES
 
-__all__ = ["StreamMetrics"]
+__all__ = [
+    "COMMIT_FAILURE_REASONS",
+    "DEAD_LETTER_CODES",
+    "DEPENDENCIES",
+    "EVENT_SERIES",
+    "RETRY_REASONS",
+    "StreamMetrics",
+    "service_version",
+]
+
+# Known label values, pre-created at zero so that rate() and increase() see a series
+# from the first scrape on (an alert on a counter that appears at 1 never fires).
+RETRY_REASONS = ("k8s_unavailable", "k8s_forbidden", "kafka_commit")
+DEAD_LETTER_CODES = (*POISON_CODES, "retries_exhausted", "k8s_error", "internal_error")
+COMMIT_FAILURE_REASONS = ("kafka_error", "timeout", "fenced")
+DEPENDENCIES = ("kafka", "kubernetes")
+EVENT_SERIES = (
+    *(("placement", s) for s in ("no_cr", "slot_used", "slot_missed", "error", "payg", "skipped")),
+    *(
+        ("no_host_found", s)
+        for s in ("no_cr", "cr_exhausted", "slot_blocked", "slot_exhausted", "error", "payg")
+    ),
+    ("no_host_found", "skipped"),
+)
+
+
+def service_version() -> str:
+    try:
+        return metadata.version("crs-consumer")
+    except metadata.PackageNotFoundError:  # running from a source tree without install
+        return "0+unknown"
 
 # Per-event processing is ~0.2 ms from the watch cache, seconds when the API is slow.
 _LATENCY_BUCKETS = (
@@ -88,6 +131,63 @@ class StreamMetrics:
             "crs_assigned_partitions", "Input partitions assigned to this replica", registry=r
         )
 
+        self._init_operability(r)
+
+    def _init_operability(self, r: CollectorRegistry) -> None:
+        # Process (CPU, memory, fds) and Python platform/GC series, as the default
+        # registry would have them: the service uses its own registry.
+        process_collector.ProcessCollector(registry=r)
+        platform_collector.PlatformCollector(registry=r)
+        gc_collector.GCCollector(registry=r)
+        self.build_info = Info("crs_build", "Version of the running crs-consumer", registry=r)
+        self.build_info.info({"version": service_version(), "python": platform.python_version()})
+        self.commit_failures = Counter(
+            "crs_commit_failures",
+            "Batch commits (transaction or offset commit) that failed, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.fenced = Counter(
+            "crs_fenced",
+            "Times this replica's producer was fenced by another with its transactional id",
+            registry=r,
+        )
+        self.partition_stalled = Gauge(
+            "crs_partition_stalled",
+            "1 while an input partition is paused waiting for a retry, else 0",
+            ["topic", "partition"],
+            registry=r,
+        )
+        self.dependency_up = Gauge(
+            "crs_dependency_up",
+            "1 when the dependency answered within the readiness bound, else 0",
+            ["dependency"],
+            registry=r,
+        )
+        self.ready = Gauge(
+            "crs_ready", "1 while /readyz answers 200, else 0 (the reason is in /readyz)", registry=r
+        )
+        self.watch_last_activity = Gauge(
+            "crs_watch_last_activity_timestamp_seconds",
+            "Unix time of the last event or bookmark each watch delivered",
+            ["kind"],
+            registry=r,
+        )
+        for reason in RETRY_REASONS:
+            self.retries.labels(reason)
+        for code in DEAD_LETTER_CODES:
+            self.dead_letters.labels(code)
+        for status in AllocationStatus:
+            self.allocations.labels(str(status))
+        for kind, cr_slot in EVENT_SERIES:
+            self.events.labels(kind, cr_slot)
+        for reason in COMMIT_FAILURE_REASONS:
+            self.commit_failures.labels(reason)
+        for dep in DEPENDENCIES:
+            self.dependency_up.labels(dep)
+
     def forget_partition(self, topic: str, partition: int) -> None:
         with contextlib.suppress(KeyError):
             self.lag.remove(topic, str(partition))
+        with contextlib.suppress(KeyError):
+            self.partition_stalled.remove(topic, str(partition))
