@@ -23,6 +23,7 @@ from service.crs import Recorder
 from service.k8s import K8sMetrics, KubeClient, ListClusterState
 from service.k8s.cache import WatchClusterState
 from service.stream.consumer import StreamService, StreamSettings
+from service.stream.kafka_probe import KafkaProbe
 from service.stream.metrics import StreamMetrics
 from service.stream.processor import Processor
 
@@ -47,6 +48,7 @@ class Runtime:
         self.watchdog = LoopWatchdog()
         self._tasks: list[asyncio.Task[Any]] = []
         self._k8s_ok: tuple[float, bool, str] = (0.0, False, "not checked yet")
+        self.kafka_probe = KafkaProbe(config.kafka_client_args())
 
     async def start(self) -> None:
         c = self.config
@@ -76,6 +78,7 @@ class Runtime:
             retry_backoff_s=c.retry_backoff_s,
             retry_backoff_max_s=c.retry_backoff_max_s,
             client_args=c.kafka_client_args(),
+            consumer_args=c.kafka_consumer_args(),
         )
         self.stream = StreamService(settings, processor, self.metrics)
         self.http = HttpServer(
@@ -86,6 +89,8 @@ class Runtime:
         )
         await self.http.start()
         self._tasks.append(asyncio.create_task(self.watchdog.run(), name="watchdog"))
+        self.kafka_probe.start()
+        self._tasks.append(asyncio.create_task(self._health_monitor(), name="health-monitor"))
         await self.stream.start()
         log.info("service_started", http_port=self.http.port, config=c.redacted())
 
@@ -108,6 +113,7 @@ class Runtime:
     async def stop(self) -> None:
         if self.stream is not None:
             await self.stream.close()
+        await self.kafka_probe.stop()
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -134,6 +140,9 @@ class Runtime:
     async def _ready(self) -> tuple[bool, str]:
         if self.stream is None or not self.stream.started:
             return False, "consumer not started"
+        ok, detail = self._kafka_ready()
+        if not ok:
+            return False, detail
         if isinstance(self.state, WatchClusterState):
             ok, detail = self.state.ready()
             if not ok:
@@ -157,6 +166,34 @@ class Runtime:
             ok, detail = False, f"kubernetes unreachable: {type(exc).__name__}: {exc}"
         self._k8s_ok = (time.monotonic(), ok, detail)
         return ok, detail
+
+    # ------------------------------------------------------------------ operability
+
+    def _kafka_ready(self) -> tuple[bool, str]:
+        down = self.kafka_probe.unreachable_for()
+        if down > self.config.readiness_bound_s:
+            return False, f"kafka unreachable for {down:.0f}s ({self.kafka_probe.last_error})"
+        return True, "ok"
+
+    async def _health_monitor(self, interval_s: float = 2.0) -> None:
+        """Mirror the probes into gauges, so alerts see what /readyz says."""
+        m = self.metrics
+        while True:
+            with contextlib.suppress(Exception):  # a probe error must not end the monitor
+                m.dependency_up.labels("kafka").set(1 if self.kafka_probe.reachable else 0)
+                if isinstance(self.state, WatchClusterState):
+                    m.dependency_up.labels("kubernetes").set(1 if self.state.ready()[0] else 0)
+                    now = time.time()
+                    for informer in self.state.informers:
+                        m.watch_last_activity.labels(informer.kind.plural).set(
+                            now - informer.silent_for()
+                        )
+                else:
+                    ok, _ = await self._k8s_reachable()
+                    m.dependency_up.labels("kubernetes").set(1 if ok else 0)
+                ready, _ = await self._ready()
+                m.ready.set(1 if ready else 0)
+            await asyncio.sleep(interval_s)
 
 
 async def run_service(config: Config) -> int:

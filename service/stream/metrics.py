@@ -58,6 +58,7 @@ def service_version() -> str:
     except metadata.PackageNotFoundError:  # running from a source tree without install
         return "0+unknown"
 
+
 # Per-event processing is ~0.2 ms from the watch cache, seconds when the API is slow.
 _LATENCY_BUCKETS = (
     0.0001,
@@ -160,12 +161,14 @@ class StreamMetrics:
         )
         self.dependency_up = Gauge(
             "crs_dependency_up",
-            "1 when the dependency answered within the readiness bound, else 0",
+            "1 when the last check of the dependency succeeded, else 0",
             ["dependency"],
             registry=r,
         )
         self.ready = Gauge(
-            "crs_ready", "1 while /readyz answers 200, else 0 (the reason is in /readyz)", registry=r
+            "crs_ready",
+            "1 while /readyz answers 200, else 0 (the reason is in /readyz)",
+            registry=r,
         )
         self.watch_last_activity = Gauge(
             "crs_watch_last_activity_timestamp_seconds",
