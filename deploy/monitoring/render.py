@@ -68,7 +68,7 @@ def main() -> int:
     target = HERE / "prometheusrule.yaml"
     if args.check:
         if target.read_text() != text:
-            print("prometheusrule.yaml is out of date: run deploy/monitoring/render.py", file=sys.stderr)
+            print("prometheusrule.yaml is stale: run deploy/monitoring/render.py", file=sys.stderr)
             return 1
         return 0
     target.write_text(text)

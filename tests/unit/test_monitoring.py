@@ -104,7 +104,8 @@ def test_every_alert_links_a_runbook_section_with_the_five_parts() -> None:
         assert set(ann) >= {"summary", "description", "runbook_url"}, alert["alert"]
         path, _, anchor = ann["runbook_url"].partition("#")
         assert path == "docs/runbooks.md"
-        assert anchor == alert["alert"].lower() and anchor in anchors, alert["alert"]
+        assert anchor == alert["alert"].lower(), alert["alert"]
+        assert anchor in anchors, alert["alert"]
         body = sections[alert["alert"]]
         for part in ("Symptom", "Likely causes", "What to check", "How to fix", "Redrive"):
             assert f"**{part}**" in body, (alert["alert"], part)
