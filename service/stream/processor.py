@@ -33,6 +33,7 @@ __all__ = ["OutRecord", "Processor", "RetryLater"]
 log = structlog.get_logger(__name__)
 
 Headers = Sequence[tuple[str, bytes]]
+REDRIVE_HEADER = "crs.redrive.count"
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +151,10 @@ class Processor:
         reason: str,
     ) -> OutRecord:
         self._metrics.dead_letters.labels(code).inc()
-        original = [(k, v) for k, v in (headers or []) if not k.startswith("crs.")]
+        # crs.redrive.count survives, so `dlq redrive` can refuse to loop a record forever.
+        original = [
+            (k, v) for k, v in (headers or []) if not k.startswith("crs.") or k == REDRIVE_HEADER
+        ]
         extra = dead_letter_headers(code, reason, ref)
         if value is not None and len(value) > self._max_dead_letter_value:
             # Too large to produce (the broker's and producer's 1 MiB record limits): a
