@@ -106,10 +106,9 @@ async def read_dlq(config: Config, *, max_records: int, visit: Callable[[DlqReco
     await consumer.start()
     read = 0
     try:
-        topics = await consumer.topics()  # also loads the partitions' metadata
-        parts = (
-            consumer.partitions_for_topic(config.dlq_topic) if config.dlq_topic in topics else None
-        )
+        # An assign-only consumer tracks no topics; ask the cluster directly.
+        cluster = await consumer._client.fetch_all_metadata()
+        parts = cluster.partitions_for_topic(config.dlq_topic)
         if not parts:
             raise LookupError(f"dead-letter topic {config.dlq_topic} does not exist")
         tps = [TopicPartition(config.dlq_topic, p) for p in sorted(parts)]
