@@ -48,7 +48,13 @@ class Runtime:
         self.watchdog = LoopWatchdog()
         self._tasks: list[asyncio.Task[Any]] = []
         self._k8s_ok: tuple[float, bool, str] = (0.0, False, "not checked yet")
-        self.kafka_probe = KafkaProbe(config.kafka_client_args())
+        bound = config.readiness_bound_s
+        # Probe often enough that a healthy cluster never looks older than the bound.
+        self.kafka_probe = KafkaProbe(
+            config.kafka_client_args(),
+            interval_s=min(3.0, bound / 4),
+            timeout_s=min(5.0, bound / 2),
+        )
 
     async def start(self) -> None:
         c = self.config
@@ -97,7 +103,15 @@ class Runtime:
     async def _make_state(self) -> ListClusterState | WatchClusterState:
         assert self.client is not None
         if self.config.k8s_read_mode == "watch":
-            state = WatchClusterState(self.client)
+            bound = self.config.readiness_bound_s
+            # Watch renewals well inside the readiness bound: a renewal is a sign of
+            # life, so a healthy watch on a quiet kind never looks silent.
+            state = WatchClusterState(
+                self.client,
+                watch_timeout_s=max(1.0, min(15.0, bound / 2)),
+                idle_timeout_s=bound,
+                silence_bound_s=bound,
+            )
             await state.start()
             return state
         return ListClusterState(self.client)
@@ -172,7 +186,8 @@ class Runtime:
     def _kafka_ready(self) -> tuple[bool, str]:
         down = self.kafka_probe.unreachable_for()
         if down > self.config.readiness_bound_s:
-            return False, f"kafka unreachable for {down:.0f}s ({self.kafka_probe.last_error})"
+            why = self.kafka_probe.last_error or "metadata request pending"
+            return False, f"kafka unreachable for {down:.0f}s ({why})"
         return True, "ok"
 
     async def _health_monitor(self, interval_s: float = 2.0) -> None:

@@ -39,7 +39,7 @@ class KafkaProbe:
         self._client: Any = None
         self._task: asyncio.Task[None] | None = None
         self._last_ok: float | None = None
-        self._since = clock()  # start of the current unreachable stretch
+        self._since = clock()  # reference until the first success
         self.last_error = "not probed yet"
         self.probes = 0
 
@@ -58,14 +58,18 @@ class KafkaProbe:
 
     @property
     def reachable(self) -> bool:
-        return self._last_ok is not None and self.unreachable_for() == 0.0
+        """The last probe succeeded (a probe in flight does not count as failed yet)."""
+        return self._last_ok is not None and self.last_error == ""
 
     def unreachable_for(self) -> float:
-        """0.0 while the last probe succeeded; else seconds since the last success
-        (or since start, when none has succeeded yet)."""
-        if self._last_ok is not None and self.last_error == "":
-            return 0.0
-        return self._clock() - self._since
+        """Seconds since the cluster last answered (since start if it never did).
+
+        Measured from the last success, not from the first failure: a frozen broker
+        leaves the probe hanging until its timeout, and that time counts too. Healthy,
+        this stays below ``interval_s`` plus one round trip.
+        """
+        ref = self._last_ok if self._last_ok is not None else self._since
+        return max(0.0, self._clock() - ref)
 
     async def probe_once(self) -> bool:
         self.probes += 1
@@ -76,15 +80,14 @@ class KafkaProbe:
                     await self._client.bootstrap()
                 await self._client.fetch_all_metadata()
         except Exception as exc:  # any failure means "not reachable"; the text says why
-            if self.last_error == "":
-                self._since = self._clock()
+            if self.last_error == "" or (self._last_ok is None and self.probes == 1):
                 log.warning("kafka_unreachable", error=self._describe(exc))
             self.last_error = self._describe(exc)
             # A client that failed to bootstrap is unusable; a fresh one is cheap.
             await self._close_client()
             return False
         if self.last_error and self._last_ok is not None:
-            log.info("kafka_reachable_again", down_s=round(self._clock() - self._since, 1))
+            log.info("kafka_reachable_again", down_s=round(self.unreachable_for(), 1))
         self._last_ok = self._clock()
         self.last_error = ""
         return True
