@@ -89,7 +89,10 @@ def _service_metrics() -> dict[str, tuple[str, ...]]:
         if not hasattr(c, "_name"):
             continue  # the standard process/platform/GC collectors, documented in prose
         suffix = {"counter": "_total", "info": "_info"}.get(c._type, "")
-        out[c._name + suffix] = tuple(c._labelnames)
+        labels = tuple(c._labelnames)
+        if c._type == "info":  # an info's labels are its keys, set when it is filled
+            labels = tuple(next(iter(c.collect())).samples[0].labels)
+        out[c._name + suffix] = labels
     return out
 
 
