@@ -124,6 +124,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from service.app.logs import configure_logging
 
+    if args.command in {"run", "dlq"}:
+        from service.app.check import file_problems
+
+        # A missing CA bundle or kubeconfig is a configuration error, named as one.
+        for line in file_problems(config):
+            print(f"crs-consumer: invalid configuration: {line}", file=sys.stderr)
+        if file_problems(config):
+            return 2
     if args.command == "dlq":
         configure_logging("ERROR", config.log_format)
         return _run_dlq(args, config)

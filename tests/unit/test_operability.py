@@ -114,3 +114,32 @@ async def test_a_redriven_record_keeps_its_count_when_dead_lettered_again() -> N
     assert headers["crs.redrive.count"] == b"2"
     assert headers["t"] == b"x"
     assert headers["crs.error"] == b"not_json"
+
+
+def test_kafka_causes_without_a_secured_dev_broker_are_named() -> None:
+    """SASL authentication and client-certificate refusals need a secured listener the
+    dev stack does not have: the classification of the client's own errors is checked
+    here; the other causes are reproduced for real in test_check_diagnosis.py."""
+    import ssl
+
+    from aiokafka.errors import KafkaConnectionError, SaslAuthenticationFailed
+
+    from service.app.check import diagnose_kafka
+    from service.app.config import Config
+
+    cfg = Config.load(
+        env={
+            "KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+            "KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+            "KAFKA_SASL_USERNAME": "crs",
+            "KAFKA_SASL_PASSWORD": "pw-1",
+        }
+    )
+    generic = KafkaConnectionError("Unable to bootstrap")
+    auth = diagnose_kafka([SaslAuthenticationFailed("bad"), generic], cfg)
+    assert auth.startswith("authentication failed for KAFKA_SASL_USERNAME=crs")
+    assert "pw-1" not in auth
+    mtls = ssl.SSLError(1, "[SSL: TLSV13_ALERT_CERTIFICATE_REQUIRED] tlsv13 alert")
+    mtls.reason = "TLSV13_ALERT_CERTIFICATE_REQUIRED"
+    assert "client certificate" in diagnose_kafka([mtls, generic], cfg)
+    assert diagnose_kafka([generic], cfg) == "KafkaConnectionError: Unable to bootstrap"
