@@ -153,8 +153,9 @@ def diagnose_kafka(errors: list[BaseException], config: Config) -> str:
         if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
             return "timed out connecting (network, firewall, or a frozen broker)"
     if errors:
-        last = errors[-1]
-        return f"{type(last).__name__}: {last}"
+        last, name = errors[-1], type(errors[-1]).__name__
+        text = str(last)
+        return text if text.startswith(name) else f"{name}: {text}"  # aiokafka adds it
     return "no broker answered"
 
 
