@@ -114,5 +114,7 @@ class KafkaProbe:
 
     @staticmethod
     def _describe(exc: BaseException) -> str:
+        name = type(exc).__name__
         text = str(exc) or ("timed out" if isinstance(exc, TimeoutError) else "")
-        return f"{type(exc).__name__}: {text}"[:_ERROR_LIMIT]
+        # aiokafka's errors already start with their class name.
+        return (text if text.startswith(name) else f"{name}: {text}")[:_ERROR_LIMIT]
