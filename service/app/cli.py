@@ -128,9 +128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from service.app.check import file_problems
 
         # A missing CA bundle or kubeconfig is a configuration error, named as one.
-        for line in file_problems(config):
+        problems = file_problems(config)
+        for line in problems:
             print(f"crs-consumer: invalid configuration: {line}", file=sys.stderr)
-        if file_problems(config):
+        if problems:
             return 2
     if args.command == "dlq":
         configure_logging("ERROR", config.log_format)

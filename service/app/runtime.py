@@ -48,13 +48,7 @@ class Runtime:
         self.watchdog = LoopWatchdog()
         self._tasks: list[asyncio.Task[Any]] = []
         self._k8s_ok: tuple[float, bool, str] = (0.0, False, "not checked yet")
-        bound = config.readiness_bound_s
-        # Probe often enough that a healthy cluster never looks older than the bound.
-        self.kafka_probe = KafkaProbe(
-            config.kafka_client_args(),
-            interval_s=min(3.0, bound / 4),
-            timeout_s=min(5.0, bound / 2),
-        )
+        self.kafka_probe: KafkaProbe | None = None
 
     async def start(self) -> None:
         c = self.config
@@ -95,6 +89,11 @@ class Runtime:
         )
         await self.http.start()
         self._tasks.append(asyncio.create_task(self.watchdog.run(), name="watchdog"))
+        bound = c.readiness_bound_s
+        # Probe often enough that a healthy cluster never looks older than the bound.
+        self.kafka_probe = KafkaProbe(
+            c.kafka_client_args(), interval_s=min(3.0, bound / 4), timeout_s=min(5.0, bound / 2)
+        )
         self.kafka_probe.start()
         self._tasks.append(asyncio.create_task(self._health_monitor(), name="health-monitor"))
         await self.stream.start()
@@ -127,7 +126,8 @@ class Runtime:
     async def stop(self) -> None:
         if self.stream is not None:
             await self.stream.close()
-        await self.kafka_probe.stop()
+        if self.kafka_probe is not None:
+            await self.kafka_probe.stop()
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -184,9 +184,12 @@ class Runtime:
     # ------------------------------------------------------------------ operability
 
     def _kafka_ready(self) -> tuple[bool, str]:
-        down = self.kafka_probe.unreachable_for()
+        probe = self.kafka_probe
+        if probe is None:
+            return False, "kafka probe not started"
+        down = probe.unreachable_for()
         if down > self.config.readiness_bound_s:
-            why = self.kafka_probe.last_error or "metadata request pending"
+            why = probe.last_error or "metadata request pending"
             return False, f"kafka unreachable for {down:.0f}s ({why})"
         return True, "ok"
 
@@ -195,7 +198,8 @@ class Runtime:
         m = self.metrics
         while True:
             with contextlib.suppress(Exception):  # a probe error must not end the monitor
-                m.dependency_up.labels("kafka").set(1 if self.kafka_probe.reachable else 0)
+                kafka_up = self.kafka_probe is not None and self.kafka_probe.reachable
+                m.dependency_up.labels("kafka").set(1 if kafka_up else 0)
                 if isinstance(self.state, WatchClusterState):
                     m.dependency_up.labels("kubernetes").set(1 if self.state.ready()[0] else 0)
                     now = time.time()
