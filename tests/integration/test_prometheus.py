@@ -1,5 +1,6 @@
 """A real Prometheus (Debian's, installed by devstack/prometheus) scrapes the running
-service on the dev stack with the shipped rules loaded.
+service on the dev stack with the shipped rules loaded; `promtool check metrics` finds
+nothing to complain about in the exposition.
 
 A poison record makes CrsDeadLetters go pending; freezing the API server makes
 CrsNotReady go pending; every query of the shipped dashboard parses and returns data.
@@ -140,6 +141,19 @@ async def test_alerts_go_pending_and_dashboard_queries_return_data(
                     return bool(data["result"]) and data["result"][0]["value"][1] == "1"
 
                 await until("Prometheus to scrape the service", 30, target_up)
+                url = f"http://127.0.0.1:{runtime.http.port}/metrics"
+                async with session.get(url) as resp:
+                    exposition = await resp.text()
+                lint = await asyncio.create_subprocess_exec(
+                    str(prometheus_bin_dir() / "promtool"),
+                    "check",
+                    "metrics",
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                )
+                out, _ = await lint.communicate(exposition.encode())
+                assert lint.returncode == 0, out.decode()
                 await e2e.publish(
                     devstack.kafka_bootstrap,
                     topics["input"],
