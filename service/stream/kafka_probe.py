@@ -100,11 +100,12 @@ class KafkaProbe:
     def _new_client(self) -> Any:
         from aiokafka.client import AIOKafkaClient
 
-        return AIOKafkaClient(
+        args = {
             **self._args,
-            request_timeout_ms=int(self._timeout_s * 1000),
-            client_id="crs-consumer-probe",
-        )
+            "request_timeout_ms": int(self._timeout_s * 1000),
+            "client_id": "crs-consumer-probe",
+        }
+        return AIOKafkaClient(**args)
 
     async def _close_client(self) -> None:
         client, self._client = self._client, None
