@@ -8,8 +8,9 @@ is invalid (including a file setting naming a missing or unreadable file).
 The causes come from the brokers' and the API server's own answers: the Kafka client's
 connection errors are captured while it bootstraps (it only logs them and raises a
 generic "Unable to bootstrap"), authorization is probed per resource with requests that
-change nothing (topic metadata without auto-creation, a zero-byte fetch of the input,
-coordinator look-ups of the group and the transactional id), and the Kubernetes
+change nothing (topic metadata without auto-creation, a one-record fetch of the input,
+coordinator look-ups of the group and the transactional id; DescribeAcls only informs
+the ok line, as it is often not allowed), and the Kubernetes
 permissions are asked with SelfSubjectAccessReview per verb and kind.
 """
 
@@ -202,6 +203,7 @@ async def _check_kafka(config: Config) -> int:
         try:
             await asyncio.wait_for(admin.start(), 15)
             problems, present = await _kafka_authorization(admin, args, config)
+            acls = await _describe_acls(admin)
         except Exception as exc:  # the captured client errors say why
             cause = diagnose_kafka([*capture.errors, exc], config)
             _fail(f"kafka: FAILED to reach {servers}: {cause}")
@@ -218,12 +220,10 @@ async def _check_kafka(config: Config) -> int:
     if missing and not await _auto_create(admin_args=args):
         _fail(f"kafka: FAILED: output topic(s) missing: {', '.join(missing)}")
         return EXIT_FAILED
-    note = (
-        ""
-        if config.input_topic in present
-        else f" (input topic {config.input_topic} not created yet)"
-    )
-    print(f"kafka: ok, {servers}{note}")
+    notes = [acls]
+    if config.input_topic not in present:
+        notes.append(f"input topic {config.input_topic} not created yet")
+    print(f"kafka: ok, {servers} ({'; '.join(notes)})")
     return EXIT_OK
 
 
@@ -284,6 +284,25 @@ async def _kafka_authorization(
     return problems, present
 
 
+async def _describe_acls(admin: Any) -> str:
+    """What the brokers say about ACLs (informative: access is probed per resource)."""
+    from aiokafka.protocol.admin import DescribeAclsRequest
+
+    # resource type, pattern, operation, permission: 1 = ANY; no name/principal/host filter
+    try:
+        response = await admin._send_request(DescribeAclsRequest(1, None, 1, None, None, 1, 1))
+    except Exception as exc:  # an old broker or a closed connection: the probes still ran
+        return f"ACLs not described: {type(exc).__name__}"
+    if response.error_code == 54:
+        return "no authorizer on the brokers: ACLs are not enforced"
+    if response.error_code == 31:
+        return "authorizer on, DescribeAcls not allowed; access probed per resource"
+    if response.error_code:
+        return f"ACLs not described: error {response.error_code}"
+    bindings = sum(len(resource[-1]) for resource in response.resources)
+    return f"authorizer on, {bindings} ACL bindings; access probed per resource"
+
+
 async def _can_fetch(args: dict[str, Any], topic: str) -> str | None:
     """A fetch of the input's first partition, without a group: needs Read, changes nothing."""
     from aiokafka import AIOKafkaConsumer
@@ -342,6 +361,9 @@ async def _check_kubernetes(config: Config) -> int:
     from service.k8s.client import COMMITTED_RESOURCES, HYPERVISORS, RESERVATIONS
 
     source = f"KUBECONFIG={config.kubeconfig}" if config.kubeconfig else "in-cluster"
+    if not config.kubeconfig and not os.environ.get("KUBERNETES_SERVICE_HOST"):
+        _fail("kubernetes: FAILED: KUBECONFIG is unset and this is not a pod: set KUBECONFIG")
+        return EXIT_CONFIG
     try:
         client = await KubeClient.create(config.kubeconfig, request_timeout_s=config.k8s_timeout_s)
     except Exception as exc:  # a bad kubeconfig or no service account

@@ -181,3 +181,18 @@ def test_missing_rbac_is_reported_per_verb_and_kind(
     assert "kubernetes: FAILED: forbidden: may not patch reservations.cortex.cloud" in proc.stderr
     assert "may not watch hypervisors.kvm.cloud.sap" in proc.stderr
     assert proc.stdout.startswith("kafka: ok")
+
+
+def test_ok_line_says_whether_the_brokers_enforce_acls(devstack: DevStack) -> None:
+    proc = check(devstack)
+    assert proc.returncode == 0, proc.stderr
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith(f"kafka: ok, {devstack.kafka_bootstrap} (no authorizer on the brokers")
+
+
+def test_no_kubeconfig_outside_a_pod_is_a_configuration_error(devstack: DevStack) -> None:
+    proc = check(devstack, KUBECONFIG="", KUBERNETES_SERVICE_HOST="")
+    assert proc.returncode == 2
+    assert one_line(proc) == (
+        "kubernetes: FAILED: KUBECONFIG is unset and this is not a pod: set KUBECONFIG"
+    )
