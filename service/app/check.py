@@ -271,7 +271,7 @@ async def _kafka_authorization(
         if key is None:
             continue
         try:
-            await admin.find_coordinator(key, kind)
+            await _find_coordinator(admin, key, kind)
         except Exception as exc:
             name = type(exc).__name__
             if "Authorization" in name:
@@ -282,6 +282,21 @@ async def _kafka_authorization(
             else:
                 problems.append(f"{what} {key} ({env}): {name}: {exc}")
     return problems, present
+
+
+async def _find_coordinator(admin: Any, key: str, kind: int, patience_s: float = 10.0) -> None:
+    """FindCoordinator, retried while the coordinator is not available yet (a fresh
+    cluster creates its __consumer_offsets / __transaction_state topics on first use)."""
+    deadline = asyncio.get_running_loop().time() + patience_s
+    while True:
+        try:
+            await admin.find_coordinator(key, kind)
+            return
+        except Exception as exc:
+            retriable = getattr(exc, "retriable", False)
+            if not retriable or asyncio.get_running_loop().time() > deadline:
+                raise
+        await asyncio.sleep(0.5)
 
 
 async def _describe_acls(admin: Any) -> str:
