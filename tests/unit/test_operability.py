@@ -117,9 +117,10 @@ async def test_a_redriven_record_keeps_its_count_when_dead_lettered_again() -> N
 
 
 def test_kafka_causes_without_a_secured_dev_broker_are_named() -> None:
-    """SASL authentication and client-certificate refusals need a secured listener the
-    dev stack does not have: the classification of the client's own errors is checked
-    here; the other causes are reproduced for real in test_check_diagnosis.py."""
+    """A listener demanding a client certificate is not part of the dev stack: that
+    classification is checked here on the client's own error (with the SASL one); the
+    other causes are reproduced for real in test_check_diagnosis.py and
+    test_check_acls.py."""
     import ssl
 
     from aiokafka.errors import KafkaConnectionError, SaslAuthenticationFailed
