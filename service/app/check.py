@@ -1,67 +1,344 @@
 """``crs-consumer check``: can this configuration work, here and now?
 
-Prints one line per dependency and exits non-zero with a one-line reason on the first
-failure, so it serves as a Kubernetes init step or a first debugging command.
+Prints one line per dependency; a failure is one line naming the cause, the setting and
+the fix. Exit codes: 0 everything works; 1 a dependency failed (unreachable,
+authentication, TLS, protocol, authorization, missing topics, RBAC); 2 the configuration
+is invalid (including a file setting naming a missing or unreadable file).
+
+The causes come from the brokers' and the API server's own answers: the Kafka client's
+connection errors are captured while it bootstraps (it only logs them and raises a
+generic "Unable to bootstrap"), authorization is probed per resource with requests that
+change nothing (topic metadata without auto-creation, a one-record fetch of the input,
+coordinator look-ups of the group and the transactional id; DescribeAcls only informs
+the ok line, as it is often not allowed), and the Kubernetes
+permissions are asked with SelfSubjectAccessReview per verb and kind.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import ssl
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from service.app.config import Config
 
-__all__ = ["run_check"]
+__all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "diagnose_kafka", "file_problems", "run_check"]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+
+# (verb, group, plural): what deploy/clusterrole.yaml grants and the service needs.
+K8S_PERMISSIONS: tuple[tuple[str, str, str], ...] = (
+    *(
+        (verb, group, plural)
+        for group, plural in (
+            ("kvm.cloud.sap", "hypervisors"),
+            ("cortex.cloud", "reservations"),
+            ("cortex.cloud", "committedresources"),
+            ("cortex.cloud", "knowledges"),
+        )
+        for verb in ("get", "list", "watch")
+    ),
+    ("patch", "cortex.cloud", "reservations"),
+)
+
+
+def _fail(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
 async def run_check(config: Config) -> int:
+    problems = file_problems(config)
+    if problems:
+        for line in problems:
+            _fail(line)
+        return EXIT_CONFIG
+    code = await _check_kafka(config)
+    if code != EXIT_OK:
+        return code
+    return await _check_kubernetes(config)
+
+
+# ---------------------------------------------------------------- files
+
+
+def file_problems(config: Config) -> list[str]:
+    """One line per file setting that names a missing or unreadable file."""
+    files = [("KAFKA_SSL_CAFILE", config.ssl_cafile, "kafka")]
+    files.append(("KUBECONFIG", config.kubeconfig, "kubernetes"))
+    problems = []
+    for env, path, who in files:
+        if not path:
+            continue
+        if not os.path.exists(path):
+            problems.append(f"{who}: {env}={path}: no such file")
+        elif not os.path.isfile(path):
+            problems.append(f"{who}: {env}={path}: not a regular file")
+        elif not os.access(path, os.R_OK):
+            problems.append(f"{who}: {env}={path}: not readable by uid {os.getuid()}")
+    return problems
+
+
+# ---------------------------------------------------------------- kafka
+
+
+def diagnose_kafka(errors: list[BaseException], config: Config) -> str:
+    """The most specific cause among the client's connection errors, with the fix."""
+    from aiokafka import errors as ke
+
+    proto = config.security_protocol
+    tls = proto in {"SSL", "SASL_SSL"}
+    for exc in errors:
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            trusted = (
+                f"KAFKA_SSL_CAFILE={config.ssl_cafile}"
+                if config.ssl_cafile
+                else "the system CAs (set KAFKA_SSL_CAFILE)"
+            )
+            return (
+                f"TLS verification failed ({exc.verify_message}): the brokers' certificate "
+                f"is not trusted by {trusted}"
+            )
+    for exc in errors:
+        if isinstance(exc, ssl.SSLError):
+            reason = str(exc.reason or exc)
+            if "CERTIFICATE_REQUIRED" in reason or "HANDSHAKE_FAILURE" in reason:
+                return (
+                    f"TLS handshake refused ({reason}): the listener wants a client "
+                    "certificate (mutual TLS); use a listener with SASL or without client auth"
+                )
+            if "WRONG_VERSION_NUMBER" in reason or "RECORD_LAYER" in reason:
+                return (
+                    f"protocol mismatch: KAFKA_SECURITY_PROTOCOL={proto} speaks TLS but the "
+                    "listener does not (use PLAINTEXT or SASL_PLAINTEXT, or the TLS listener)"
+                )
+            return f"TLS handshake failed: {reason}"
+    for exc in errors:
+        if isinstance(exc, (ke.SaslAuthenticationFailed, ke.AuthenticationFailedError)):
+            return (
+                f"authentication failed for KAFKA_SASL_USERNAME={config.sasl_username} "
+                f"(KAFKA_SASL_MECHANISM={config.sasl_mechanism}): check KAFKA_SASL_PASSWORD"
+            )
+        if isinstance(exc, ke.UnsupportedSaslMechanismError):
+            return (
+                f"KAFKA_SASL_MECHANISM={config.sasl_mechanism} is not enabled on this "
+                f"listener: {exc}"
+            )
+        if isinstance(exc, ke.IllegalSaslStateError):
+            return (
+                f"protocol mismatch: KAFKA_SECURITY_PROTOCOL={proto} starts SASL but the "
+                "listener does not expect it (use PLAINTEXT/SSL, or the SASL listener)"
+            )
+    for exc in errors:
+        text = str(exc)
+        if isinstance(exc, ConnectionResetError) and tls:
+            return (
+                f"protocol mismatch: the listener reset the TLS handshake; it probably does "
+                f"not speak TLS (KAFKA_SECURITY_PROTOCOL={proto})"
+            )
+        if isinstance(exc, ke.KafkaConnectionError) and "closed" in text and not tls:
+            return (
+                f"protocol mismatch: the listener closed the connection at the first "
+                f"request; it probably expects TLS (KAFKA_SECURITY_PROTOCOL={proto})"
+            )
+        if isinstance(exc, ConnectionRefusedError):
+            return "connection refused: nothing listens there (check KAFKA_BOOTSTRAP_SERVERS)"
+        if isinstance(exc, OSError) and "Name or service not known" in text:
+            return "host name not resolvable (check KAFKA_BOOTSTRAP_SERVERS)"
+        if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+            return "timed out connecting (network, firewall, or a frozen broker)"
+    if errors:
+        last, name = errors[-1], type(errors[-1]).__name__
+        text = str(last)
+        return text if text.startswith(name) else f"{name}: {text}"  # aiokafka adds it
+    return "no broker answered"
+
+
+class _Capture(logging.Handler):
+    """Collects the exceptions aiokafka logs (and swallows) while connecting."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.errors: list[BaseException] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for arg in record.args if isinstance(record.args, tuple) else ():
+            if isinstance(arg, BaseException):
+                self.errors.append(arg)
+
+
+@contextmanager
+def _capturing() -> Iterator[_Capture]:
+    logger = logging.getLogger("aiokafka")
+    capture = _Capture()
+    saved = (logger.level, logger.propagate)
+    logger.setLevel(logging.ERROR)
+    logger.propagate = False  # check speaks for itself, in one line
+    logger.addHandler(capture)
+    try:
+        yield capture
+    finally:
+        logger.removeHandler(capture)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
+async def _check_kafka(config: Config) -> int:
     from aiokafka.admin import AIOKafkaAdminClient
 
-    from service.k8s import KubeClient
-    from service.k8s.client import COMMITTED_RESOURCES, HYPERVISORS, RESERVATIONS
-
-    admin = AIOKafkaAdminClient(**config.kafka_client_args(), request_timeout_ms=10000)
+    servers = config.bootstrap_servers
     try:
-        await asyncio.wait_for(admin.start(), 15)
-        topics = set(await asyncio.wait_for(admin.list_topics(), 15))
-    except Exception as exc:  # any failure is the answer; the type says which
-        print(
-            f"kafka: FAILED to reach {config.bootstrap_servers}: {type(exc).__name__}: {exc}",
-            file=sys.stderr,
-        )
-        return 1
-    finally:
-        await admin.close()
+        args = config.kafka_client_args()
+    except (OSError, ssl.SSLError) as exc:  # an unusable CA bundle
+        _fail(f"kafka: KAFKA_SSL_CAFILE={config.ssl_cafile}: not a usable CA bundle: {exc}")
+        return EXIT_CONFIG
+    admin = AIOKafkaAdminClient(**args, request_timeout_ms=10000)
+    with _capturing() as capture:
+        try:
+            await asyncio.wait_for(admin.start(), 15)
+            problems, present = await _kafka_authorization(admin, args, config)
+            acls = await _describe_acls(admin)
+        except Exception as exc:  # the captured client errors say why
+            cause = diagnose_kafka([*capture.errors, exc], config)
+            _fail(f"kafka: FAILED to reach {servers}: {cause}")
+            return EXIT_FAILED
+        finally:
+            await admin.close()
+    if problems:
+        for line in problems:
+            _fail(f"kafka: FAILED: {line}")
+        return EXIT_FAILED
     # Outputs to a missing topic would stall every commit (unless the brokers create
     # topics on first use); a missing input topic only means nothing was published yet.
-    missing = [t for t in (config.output_topic, config.dlq_topic) if t not in topics]
-    if missing and not await _auto_create(admin_args=config.kafka_client_args()):
-        print(f"kafka: FAILED: output topic(s) missing: {', '.join(missing)}", file=sys.stderr)
-        return 1
-    note = (
-        ""
-        if config.input_topic in topics
-        else f" (input topic {config.input_topic} not created yet)"
-    )
-    print(f"kafka: ok, {config.bootstrap_servers}{note}")
+    missing = [t for t in (config.output_topic, config.dlq_topic) if t not in present]
+    if missing and not await _auto_create(admin_args=args):
+        _fail(f"kafka: FAILED: output topic(s) missing: {', '.join(missing)}")
+        return EXIT_FAILED
+    notes = [acls]
+    if config.input_topic not in present:
+        notes.append(f"input topic {config.input_topic} not created yet")
+    print(f"kafka: ok, {servers} ({'; '.join(notes)})")
+    return EXIT_OK
 
+
+async def _kafka_authorization(
+    admin: Any, args: dict[str, Any], config: Config
+) -> tuple[list[str], set[str]]:
+    """Problems per resource, asked of the broker; and the topics that exist."""
+    from aiokafka.errors import for_code
+    from aiokafka.protocol.metadata import MetadataRequest
+
+    topics = [config.input_topic, config.output_topic, config.dlq_topic]
+    role = {
+        config.input_topic: "read (CRS_INPUT_TOPIC)",
+        config.output_topic: "write (CRS_OUTPUT_TOPIC)",
+        config.dlq_topic: "write (CRS_DLQ_TOPIC)",
+    }
+    # Named topics, no auto-creation: an unauthorized topic answers 29, not "missing".
+    response = await admin._send_request(MetadataRequest(topics, allow_auto_topic_creation=False))
+    problems: list[str] = []
+    present: set[str] = set()
+    for entry in response.topics:
+        code, name = entry[0], entry[1]
+        if code == 0:
+            present.add(name)
+        elif code == 29:
+            problems.append(
+                f"not authorized on topic {name}: the principal needs Describe and "
+                f"{role[name].split()[0].capitalize()} to {role[name]}"
+            )
+        elif code != 3:  # 3: unknown topic, handled by the caller
+            problems.append(f"topic {name}: {for_code(code).__name__}")
+    if config.input_topic in present:
+        problem = await _can_fetch(args, config.input_topic)
+        if problem:
+            problems.append(problem)
+    for key, kind, env, what in (
+        (config.group_id, 0, "CRS_GROUP_ID", "consumer group"),
+        (
+            # The id of the input's partition 0 stands for the whole prefix ACL.
+            f"{config.effective_transactional_id_prefix}-{config.input_topic}-0"
+            if config.exactly_once
+            else None,
+            1,
+            "CRS_TRANSACTIONAL_ID_PREFIX",
+            "transactional id",
+        ),
+    ):
+        if key is None:
+            continue
+        try:
+            await _find_coordinator(admin, key, kind)
+        except Exception as exc:
+            name = type(exc).__name__
+            if "Authorization" in name:
+                needs = "Read" if kind == 0 else "Write"
+                problems.append(
+                    f"not authorized on {what} {key} ({env}): the principal needs {needs} on it"
+                )
+            else:
+                problems.append(f"{what} {key} ({env}): {name}: {exc}")
+    return problems, present
+
+
+async def _find_coordinator(admin: Any, key: str, kind: int, patience_s: float = 10.0) -> None:
+    """FindCoordinator, retried while the coordinator is not available yet (a fresh
+    cluster creates its __consumer_offsets / __transaction_state topics on first use)."""
+    deadline = asyncio.get_running_loop().time() + patience_s
+    while True:
+        try:
+            await admin.find_coordinator(key, kind)
+            return
+        except Exception as exc:
+            retriable = getattr(exc, "retriable", False)
+            if not retriable or asyncio.get_running_loop().time() > deadline:
+                raise
+        await asyncio.sleep(0.5)
+
+
+async def _describe_acls(admin: Any) -> str:
+    """What the brokers say about ACLs (informative: access is probed per resource)."""
+    from aiokafka.protocol.admin import DescribeAclsRequest
+
+    # resource type, pattern, operation, permission: 1 = ANY; no name/principal/host filter
     try:
-        client = await KubeClient.create(config.kubeconfig, request_timeout_s=config.k8s_timeout_s)
-    except Exception as exc:  # a bad kubeconfig or missing service account
-        print(f"kubernetes: FAILED to configure: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        response = await admin._send_request(DescribeAclsRequest(1, None, 1, None, None, 1, 1))
+    except Exception as exc:  # an old broker or a closed connection: the probes still ran
+        return f"ACLs not described: {type(exc).__name__}"
+    if response.error_code == 54:
+        return "no authorizer on the brokers: ACLs are not enforced"
+    if response.error_code == 31:
+        return "authorizer on, DescribeAcls not allowed; access probed per resource"
+    if response.error_code:
+        return f"ACLs not described: error {response.error_code}"
+    bindings = sum(len(resource[-1]) for resource in response.resources)
+    return f"authorizer on, {bindings} ACL bindings; access probed per resource"
+
+
+async def _can_fetch(args: dict[str, Any], topic: str) -> str | None:
+    """A fetch of the input's first partition, without a group: needs Read, changes nothing."""
+    from aiokafka import AIOKafkaConsumer
+    from aiokafka.errors import TopicAuthorizationFailedError
+    from aiokafka.structs import TopicPartition
+
+    consumer = AIOKafkaConsumer(
+        **args, group_id=None, enable_auto_commit=False, fetch_max_bytes=1024
+    )
+    await consumer.start()
     try:
-        knowledge = await client.get_knowledge()
-        for kind in (HYPERVISORS, RESERVATIONS, COMMITTED_RESOURCES):
-            await client.probe_list(kind)
-    except Exception as exc:  # unreachable, forbidden, CRDs missing
-        print(f"kubernetes: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        consumer.assign([TopicPartition(topic, 0)])
+        await consumer.getmany(timeout_ms=500, max_records=1)
+    except TopicAuthorizationFailedError:
+        return f"not authorized to read topic {topic} (CRS_INPUT_TOPIC): grant Read on it"
     finally:
-        await client.close()
-    kn = "present" if knowledge is not None else "MISSING (placements will count cr_slot=error)"
-    print(f"kubernetes: ok, Knowledge flavor-groups {kn}")
-    return 0
+        await consumer.stop()
+    return None
 
 
 async def _auto_create(admin_args: dict[str, object]) -> bool:
@@ -86,3 +363,83 @@ async def _auto_create(admin_args: dict[str, object]) -> bool:
         return False
     finally:
         await admin.close()
+
+
+# ---------------------------------------------------------------- kubernetes
+
+
+async def _check_kubernetes(config: Config) -> int:
+    from service.k8s import KubeClient
+    from service.k8s.client import COMMITTED_RESOURCES, HYPERVISORS, RESERVATIONS
+
+    source = f"KUBECONFIG={config.kubeconfig}" if config.kubeconfig else "in-cluster"
+    if not config.kubeconfig and not os.environ.get("KUBERNETES_SERVICE_HOST"):
+        _fail("kubernetes: FAILED: KUBECONFIG is unset and this is not a pod: set KUBECONFIG")
+        return EXIT_CONFIG
+    try:
+        client = await KubeClient.create(config.kubeconfig, request_timeout_s=config.k8s_timeout_s)
+    except Exception as exc:  # a bad kubeconfig or no service account
+        _fail(f"kubernetes: FAILED: {source} is not usable: {type(exc).__name__}: {exc}")
+        return EXIT_CONFIG if config.kubeconfig else EXIT_FAILED
+    try:
+        denied = await _denied_permissions(client)
+        if denied:
+            for line in denied:
+                _fail(f"kubernetes: FAILED: {line}")
+            return EXIT_FAILED
+        knowledge = await client.get_knowledge()
+        for kind in (HYPERVISORS, RESERVATIONS, COMMITTED_RESOURCES):
+            await client.probe_list(kind)
+    except Exception as exc:  # unreachable, unauthenticated, CRDs missing
+        _fail(f"kubernetes: FAILED: {_describe_k8s(exc, client)}")
+        return EXIT_FAILED
+    finally:
+        await client.close()
+    kn = "present" if knowledge is not None else "MISSING (placements will count cr_slot=error)"
+    print(f"kubernetes: ok, Knowledge flavor-groups {kn}")
+    return EXIT_OK
+
+
+async def _denied_permissions(client: Any) -> list[str]:
+    """SelfSubjectAccessReview for each permission the service needs; the denied ones."""
+    from kubernetes_asyncio import client as k8s
+
+    api = k8s.AuthorizationV1Api(client.api_client)
+    denied = []
+    for verb, group, plural in K8S_PERMISSIONS:
+        review = k8s.V1SelfSubjectAccessReview(
+            spec=k8s.V1SelfSubjectAccessReviewSpec(
+                resource_attributes=k8s.V1ResourceAttributes(
+                    verb=verb, group=group, resource=plural
+                )
+            )
+        )
+        result = await asyncio.wait_for(
+            api.create_self_subject_access_review(review), client.request_timeout_s
+        )
+        if not result.status.allowed:
+            denied.append(
+                f"forbidden: may not {verb} {plural}.{group} "
+                "(apply deploy/clusterrole.yaml and bind it to this identity)"
+            )
+    return denied
+
+
+def _describe_k8s(exc: BaseException, client: Any) -> str:
+    host = getattr(client.api_client.configuration, "host", "?")
+    status = getattr(exc, "status", None)
+    if status == 401:
+        return (
+            f"authentication failed at {host} (401): the token or client certificate "
+            "is invalid or expired"
+        )
+    if status == 404:
+        return f"{exc} (are the CRDs installed? see schemas/crds/)"
+    text = f"{type(exc).__name__}: {exc}"
+    if (
+        isinstance(exc, (OSError, TimeoutError))
+        or "Cannot connect" in text
+        or "timed out" in text.lower()
+    ):
+        return f"cannot reach the API server at {host}: {text}"
+    return text

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from service.app.config import SETTINGS, Config, ConfigError
 
@@ -46,12 +47,72 @@ def build_parser() -> argparse.ArgumentParser:
         ("check", "validate the configuration and connectivity to Kafka and Kubernetes"),
     ):
         add_settings(sub.add_parser(name, help=text, description=text))
+    _add_operability(parser, sub)
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
     """The configuration from the environment, overridden by the flags given (ConfigError)."""
     return Config.load(overrides={s.field: getattr(args, s.field) for s in SETTINGS})
+
+
+# --- operability: --version, dlq list | redrive
+
+
+def _add_operability(parser: argparse.ArgumentParser, sub: Any) -> None:
+    from service.stream.metrics import service_version
+
+    parser.add_argument("--version", action="version", version=f"crs-consumer {service_version()}")
+    text = "list the dead-letter topic, or redrive dead letters to the input topic"
+    p = sub.add_parser("dlq", help=text, description=text)
+    p.add_argument("action", choices=("list", "redrive"), help="list: counts by code; redrive")
+    p.add_argument("--code", action="append", default=[], help="only this crs.error code (repeat)")
+    p.add_argument("--since", help="only dead letters at/after this time (ISO 8601, UTC)")
+    p.add_argument("--until", help="only dead letters at/before this time (ISO 8601, UTC)")
+    p.add_argument("--partition", type=int, help="only this dead-letter partition")
+    p.add_argument("--from-offset", type=int, help="only offsets >= this (dead-letter topic)")
+    p.add_argument("--to-offset", type=int, help="only offsets <= this (dead-letter topic)")
+    p.add_argument("--max-records", type=int, default=100_000, help="read at most this many")
+    p.add_argument("--max-redrives", type=int, default=3, help="refuse records redriven this often")
+    p.add_argument("--dry-run", action="store_true", help="redrive: only show what would be sent")
+    p.add_argument("--json", action="store_true", help="list: one JSON document")
+    add_settings(p)
+
+
+def _run_dlq(args: argparse.Namespace, config: Config) -> int:
+    from service.app import dlq
+
+    try:
+        flt = dlq.DlqFilter(
+            codes=frozenset(args.code),
+            since_ms=dlq.parse_time(args.since) if args.since else None,
+            until_ms=dlq.parse_time(args.until) if args.until else None,
+            partition=args.partition,
+            from_offset=args.from_offset,
+            to_offset=args.to_offset,
+        )
+    except ValueError as exc:
+        print(f"crs-consumer dlq: invalid time: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if args.action == "list":
+            return asyncio.run(
+                dlq.list_dlq(config, flt=flt, max_records=args.max_records, as_json=args.json)
+            )
+        return asyncio.run(
+            dlq.redrive(
+                config,
+                flt=flt,
+                max_records=args.max_records,
+                max_redrives=args.max_redrives,
+                dry_run=args.dry_run,
+            )
+        )
+    except Exception as exc:  # one line, not a traceback: the cause is in the text
+        print(
+            f"crs-consumer dlq {args.action}: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr
+        )
+        return 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -64,6 +125,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from service.app.logs import configure_logging
 
+    if args.command in {"run", "dlq"}:
+        from service.app.check import file_problems
+
+        # A missing CA bundle or kubeconfig is a configuration error, named as one.
+        problems = file_problems(config)
+        for line in problems:
+            print(f"crs-consumer: invalid configuration: {line}", file=sys.stderr)
+        if problems:
+            return 2
+    if args.command == "dlq":
+        configure_logging("ERROR", config.log_format)
+        return _run_dlq(args, config)
     if args.command == "run":
         configure_logging(config.log_level, config.log_format)
         from service.app.runtime import run_service

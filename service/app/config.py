@@ -152,6 +152,13 @@ SETTINGS: tuple[Setting, ...] = (
             "json (one object per line) or console"),
     Setting("shutdown_timeout_s", "CRS_SHUTDOWN_TIMEOUT_S", "30", _positive_float,
             "Longest graceful shutdown before in-flight work is abandoned"),
+    # --- operability (health bounds, metadata refresh)
+    Setting("readiness_bound_s", "CRS_READINESS_BOUND_S", "30", _positive_float,
+            "/readyz fails when Kafka has been unreachable, or a watch has delivered "
+            "nothing, for longer than this"),
+    Setting("metadata_max_age_s", "CRS_METADATA_MAX_AGE_S", "15", _positive_float,
+            "Kafka metadata refresh period: a topic created after start is consumed "
+            "within about this"),
 )  # fmt: skip
 
 
@@ -189,6 +196,9 @@ class Config:
     log_level: str
     log_format: str
     shutdown_timeout_s: float
+    # --- operability
+    readiness_bound_s: float
+    metadata_max_age_s: float
 
     @classmethod
     def load(
@@ -256,6 +266,13 @@ class Config:
 
             args["ssl_context"] = create_ssl_context(cafile=self.ssl_cafile)
         return args
+
+    def kafka_consumer_args(self) -> dict[str, Any]:
+        """Consumer-only settings (StreamSettings.consumer_args)."""
+        return {
+            "metadata_max_age_ms": int(self.metadata_max_age_s * 1000),
+            "session_timeout_ms": self.session_timeout_ms,
+        }
 
     def redacted(self) -> dict[str, Any]:
         """The settings for logs and ``check`` output, with secrets masked."""

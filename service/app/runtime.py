@@ -29,6 +29,7 @@ from service.k8s import K8sMetrics, KubeClient, ListClusterState
 from service.k8s.cache import WatchClusterState
 from service.stream.codec import clip
 from service.stream.consumer import StreamService, StreamSettings
+from service.stream.kafka_probe import KafkaProbe
 from service.stream.metrics import StreamMetrics
 from service.stream.processor import Processor
 
@@ -53,6 +54,7 @@ class Runtime:
         self.watchdog = LoopWatchdog()
         self._tasks: list[asyncio.Task[Any]] = []
         self._k8s_ok: tuple[float, bool, str] = (0.0, False, "not checked yet")
+        self.kafka_probe: KafkaProbe | None = None
 
     async def start(self) -> None:
         c = self.config
@@ -89,7 +91,7 @@ class Runtime:
             revoke_wait_s=c.revoke_wait_s,
             stop_wait_s=c.shutdown_timeout_s / 3,
             client_args=c.kafka_client_args(),
-            consumer_args={"session_timeout_ms": c.session_timeout_ms},
+            consumer_args=c.kafka_consumer_args(),
         )
         self.stream = StreamService(settings, processor, self.metrics)
         self.http = HttpServer(
@@ -100,13 +102,28 @@ class Runtime:
         )
         await self.http.start()
         self._tasks.append(asyncio.create_task(self.watchdog.run(), name="watchdog"))
+        bound = c.readiness_bound_s
+        # Probe often enough that a healthy cluster never looks older than the bound.
+        self.kafka_probe = KafkaProbe(
+            c.kafka_client_args(), interval_s=min(3.0, bound / 4), timeout_s=min(5.0, bound / 2)
+        )
+        self.kafka_probe.start()
+        self._tasks.append(asyncio.create_task(self._health_monitor(), name="health-monitor"))
         await self.stream.start()
         log.info("service_started", http_port=self.http.port, config=c.redacted())
 
     async def _make_state(self) -> ListClusterState | WatchClusterState:
         assert self.client is not None
         if self.config.k8s_read_mode == "watch":
-            state = WatchClusterState(self.client)
+            bound = self.config.readiness_bound_s
+            # Watch renewals well inside the readiness bound: a renewal is a sign of
+            # life, so a healthy watch on a quiet kind never looks silent.
+            state = WatchClusterState(
+                self.client,
+                watch_timeout_s=max(1.0, min(15.0, bound / 2)),
+                idle_timeout_s=bound,
+                silence_bound_s=bound,
+            )
             await state.start()
             return state
         return ListClusterState(self.client)
@@ -135,6 +152,8 @@ class Runtime:
                 stack.push_async_callback(_close, "watch_cache", self.state.stop)
             for task in self._tasks:
                 stack.push_async_callback(_close, task.get_name(), functools.partial(_cancel, task))
+            if self.kafka_probe is not None:
+                stack.push_async_callback(_close, "kafka_probe", self.kafka_probe.stop)
             if self.stream is not None:
                 stack.push_async_callback(_close, "stream", self.stream.close)
 
@@ -153,6 +172,9 @@ class Runtime:
     async def _ready(self) -> tuple[bool, str]:
         if self.stream is None or not self.stream.started:
             return False, "consumer not started"
+        ok, detail = self._kafka_ready()
+        if not ok:
+            return False, detail
         if isinstance(self.state, WatchClusterState):
             ok, detail = self.state.ready()
             if not ok:
@@ -181,6 +203,39 @@ class Runtime:
             ok, detail = False, f"kubernetes unreachable: {type(exc).__name__}: {exc}"
         self._k8s_ok = (time.monotonic(), ok, detail)
         return ok, detail
+
+    # ------------------------------------------------------------------ operability
+
+    def _kafka_ready(self) -> tuple[bool, str]:
+        probe = self.kafka_probe
+        if probe is None:
+            return False, "kafka probe not started"
+        down = probe.unreachable_for()
+        if down > self.config.readiness_bound_s:
+            why = probe.last_error or "metadata request pending"
+            return False, f"kafka unreachable for {down:.0f}s ({why})"
+        return True, "ok"
+
+    async def _health_monitor(self, interval_s: float = 2.0) -> None:
+        """Mirror the probes into gauges, so alerts see what /readyz says."""
+        m = self.metrics
+        while True:
+            with contextlib.suppress(Exception):  # a probe error must not end the monitor
+                kafka_up = self.kafka_probe is not None and self.kafka_probe.reachable
+                m.dependency_up.labels("kafka").set(1 if kafka_up else 0)
+                if isinstance(self.state, WatchClusterState):
+                    m.dependency_up.labels("kubernetes").set(1 if self.state.ready()[0] else 0)
+                    now = time.time()
+                    for informer in self.state.informers:
+                        m.watch_last_activity.labels(informer.kind.plural).set(
+                            now - informer.silent_for()
+                        )
+                else:
+                    ok, _ = await self._k8s_reachable()
+                    m.dependency_up.labels("kubernetes").set(1 if ok else 0)
+                ready, _ = await self._ready()
+                m.ready.set(1 if ready else 0)
+            await asyncio.sleep(interval_s)
 
 
 async def _cancel(task: asyncio.Task[Any]) -> None:

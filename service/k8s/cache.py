@@ -93,7 +93,9 @@ class WatchClusterState(ClusterState):
 
     ``sync_timeout_s`` (default: the client's request timeout) bounds how long a request
     waits for the initial sync; ``stale_after_s`` is how long a watch may be down (while
-    it reconnects) before requests fail and :meth:`ready` reports it.
+    it reconnects) before requests fail and :meth:`ready` reports it;
+    ``silence_bound_s`` is how long a watch may deliver nothing at all (no event, no
+    bookmark, no renewal) before :meth:`ready` reports it.
     """
 
     def __init__(
@@ -101,10 +103,14 @@ class WatchClusterState(ClusterState):
         client: KubeClient,
         *,
         page_size: int = DEFAULT_PAGE_SIZE,
-        watch_timeout_s: float = 300.0,
-        idle_timeout_s: float = 150.0,
+        # Short renewals: each one is a sign of life, so a healthy watch on a quiet kind
+        # is never silent longer than ~18 s and a frozen API server shows within
+        # stale_after_s; the idle limit then drops the half-open connection.
+        watch_timeout_s: float = 15.0,
+        idle_timeout_s: float = 30.0,
         sync_timeout_s: float | None = None,
         stale_after_s: float = _DEFAULT_STALE_AFTER_S,
+        silence_bound_s: float = _DEFAULT_STALE_AFTER_S,
         backoff_base_s: float = 0.5,
         backoff_max_s: float = 30.0,
     ) -> None:
@@ -114,6 +120,7 @@ class WatchClusterState(ClusterState):
             sync_timeout_s if sync_timeout_s is not None else client.request_timeout_s
         )
         self._stale_after_s = stale_after_s
+        self._silence_bound_s = silence_bound_s
         self._started = False
 
         # The indexes. Inner dicts are keyed by object name so an update replaces in O(1).
@@ -194,11 +201,21 @@ class WatchClusterState(ClusterState):
     def has_synced(self) -> bool:
         return all(i.has_synced for i in self._informers)
 
+    @property
+    def informers(self) -> tuple[Informer[Any], ...]:
+        return self._informers
+
     def ready(self) -> tuple[bool, str]:
         """(ready, detail): every kind synced and its watch up or reconnecting in grace."""
         if not self._started:
             return False, "watch cache not started"
         problems = self._problems()
+        # Readiness only: a silent watch (e.g. a frozen API server behind a half-open
+        # connection) still has a cache worth serving from until it is known down.
+        for informer in self._informers:
+            silent = informer.silent_for()
+            if informer.has_synced and silent > self._silence_bound_s:
+                problems.append(f"{informer.kind.plural}: watch silent for {silent:.0f}s")
         if problems:
             return False, "; ".join(problems)
         return True, "watch cache synced"

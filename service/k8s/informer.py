@@ -214,6 +214,10 @@ class Informer(Generic[T]):
         self._last_error = "not started"
         self._resp: Any = None
         self._task: asyncio.Task[None] | None = None
+        # Last sign of life from the server: a LIST, a watch established, any watch line
+        # (event or BOOKMARK). A half-open connection to a frozen server keeps the watch
+        # "connected" while this ages; readiness uses it.
+        self._last_activity = time.monotonic()
         # Plain counters for diagnostics and tests (the request metrics are in K8sMetrics).
         self.lists = 0
         self.watches = 0
@@ -271,6 +275,10 @@ class Informer(Generic[T]):
         if self._connected_since is not None:
             return 0.0
         return time.monotonic() - self._down_since
+
+    def silent_for(self) -> float:
+        """Seconds since the server last delivered anything (list, watch start, line)."""
+        return time.monotonic() - self._last_activity
 
     def get(self, name: str) -> T | None:
         return self._store.get(name)
@@ -411,7 +419,7 @@ class Informer(Generic[T]):
         return attempt
 
     def _mark_up(self) -> None:
-        self._connected_since = time.monotonic()
+        self._connected_since = self._last_activity = time.monotonic()
         self._last_error = ""
 
     def _mark_down(self, error: str) -> None:
@@ -427,6 +435,7 @@ class Informer(Generic[T]):
         )
         changed, removed = self._replace(result.items, result.resource_version)
         self._rv = result.resource_version
+        self._last_activity = time.monotonic()
         self.lists += 1
         first = not self._synced.is_set()
         self._synced.set()
@@ -547,6 +556,7 @@ class Informer(Generic[T]):
 
     def _handle_line(self, line: bytes) -> None:
         kind = self.kind.plural
+        self._last_activity = time.monotonic()
         try:
             event = _EVENT_DECODER.decode(line)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:

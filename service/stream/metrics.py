@@ -12,13 +12,63 @@ from before a rebalance.
 from __future__ import annotations
 
 import contextlib
+import platform
+from importlib import metadata
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    gc_collector,
+    platform_collector,
+    process_collector,
+)
 
 from service.crs import new_no_host_found_counter, new_placement_counter
+from service.crs.outcome import AllocationStatus
+from service.stream.codec import OUTPUT_REJECTED, POISON_CODES
 from service.stream.deferred import DeferredCounter
 
-__all__ = ["StreamMetrics"]
+__all__ = [
+    "COMMIT_FAILURE_REASONS",
+    "DEAD_LETTER_CODES",
+    "DEPENDENCIES",
+    "EVENT_SERIES",
+    "RETRY_REASONS",
+    "StreamMetrics",
+    "service_version",
+]
+
+# Known label values, pre-created at zero so that rate() and increase() see a series
+# from the first scrape on (an alert on a counter that appears at 1 never fires).
+RETRY_REASONS = ("k8s_unavailable", "k8s_forbidden", "kafka_commit")
+DEAD_LETTER_CODES = (
+    *POISON_CODES,
+    "retries_exhausted",
+    "k8s_error",
+    "internal_error",
+    OUTPUT_REJECTED,
+)
+COMMIT_FAILURE_REASONS = ("transient", "record_too_large", "authorization", "fenced")
+DEPENDENCIES = ("kafka", "kubernetes")
+EVENT_SERIES = (
+    *(("placement", s) for s in ("no_cr", "slot_used", "slot_missed", "error", "payg", "skipped")),
+    *(
+        ("no_host_found", s)
+        for s in ("no_cr", "cr_exhausted", "slot_blocked", "slot_exhausted", "error", "payg")
+    ),
+    ("no_host_found", "skipped"),
+)
+
+
+def service_version() -> str:
+    try:
+        return metadata.version("crs-consumer")
+    except metadata.PackageNotFoundError:  # running from a source tree without install
+        return "0+unknown"
+
 
 # Per-event processing is ~0.2 ms from the watch cache, seconds when the API is slow.
 _LATENCY_BUCKETS = (
@@ -106,8 +156,6 @@ class StreamMetrics:
             ["reason"],
             registry=r,
         )
-        for reason in ("transient", "record_too_large", "authorization", "fenced"):
-            self.commit_failures.labels(reason)
         self.fenced = Counter(
             "crs_fenced",
             "Input partitions whose producer was fenced by a newer owner (work dropped)",
@@ -125,6 +173,46 @@ class StreamMetrics:
             ["topic", "partition"],
             registry=r,
         )
+
+        self._init_operability(r)
+
+    def _init_operability(self, r: CollectorRegistry) -> None:
+        # Process (CPU, memory, fds) and Python platform/GC series, as the default
+        # registry would have them: the service uses its own registry.
+        process_collector.ProcessCollector(registry=r)
+        platform_collector.PlatformCollector(registry=r)
+        gc_collector.GCCollector(registry=r)
+        self.build_info = Info("crs_build", "Version of the running crs-consumer", registry=r)
+        self.build_info.info({"version": service_version(), "python": platform.python_version()})
+        self.dependency_up = Gauge(
+            "crs_dependency_up",
+            "1 when the last check of the dependency succeeded, else 0",
+            ["dependency"],
+            registry=r,
+        )
+        self.ready = Gauge(
+            "crs_ready",
+            "1 while /readyz answers 200, else 0 (the reason is in /readyz)",
+            registry=r,
+        )
+        self.watch_last_activity = Gauge(
+            "crs_watch_last_activity_timestamp_seconds",
+            "Unix time of the last event or bookmark each watch delivered",
+            ["kind"],
+            registry=r,
+        )
+        for reason in RETRY_REASONS:
+            self.retries.labels(reason)
+        for code in DEAD_LETTER_CODES:
+            self.dead_letters.labels(code)
+        for status in AllocationStatus:
+            self.allocations.labels(str(status))
+        for kind, cr_slot in EVENT_SERIES:
+            self.events.labels(kind, cr_slot)
+        for reason in COMMIT_FAILURE_REASONS:
+            self.commit_failures.labels(reason)
+        for dep in DEPENDENCIES:
+            self.dependency_up.labels(dep)
 
     def forget_partition(self, topic: str, partition: int) -> None:
         for gauge in (self.lag, self.stalled, self.in_flight):

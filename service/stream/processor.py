@@ -57,6 +57,9 @@ log = structlog.get_logger(__name__)
 
 Headers = Sequence[tuple[str, bytes | None]]
 
+# Survives dead-lettering, so `crs-consumer dlq redrive` can refuse to loop a record.
+REDRIVE_HEADER = "crs.redrive.count"
+
 # aiokafka's default ``max_request_size``: the producer refuses a larger record outright.
 DEFAULT_MAX_RECORD_BYTES = 1_048_576
 
@@ -235,7 +238,7 @@ def build_dead_letter(
     kept: list[tuple[str, bytes]] = []
     used = cut = omitted = 0
     for name, raw in headers or ():
-        if not isinstance(name, str) or name.startswith("crs."):
+        if not isinstance(name, str) or (name.startswith("crs.") and name != REDRIVE_HEADER):
             continue  # ours are replaced (a re-dead-lettered record gets fresh ones)
         try:
             name_bytes = len(name.encode("utf-8"))

@@ -67,3 +67,36 @@ def test_console_format_is_human_readable(restore_logging: None) -> None:
     assert "who=operator" in text
     with pytest.raises(json.JSONDecodeError):
         json.loads(text)
+
+
+def test_identical_library_lines_collapse_with_a_count(restore_logging: None) -> None:
+    from service.app.logs import RepeatFilter
+
+    out = io.StringIO()
+    configure_logging("INFO", "json", stream=out)
+    now = [0.0]
+    handler = logging.getLogger().handlers[0]
+    handler.filters[:] = [RepeatFilter(30.0, clock=lambda: now[0])]
+    lib = logging.getLogger("aiokafka.conn")
+    for i in range(200):  # a broker outage: 200 identical errors in 20 s
+        now[0] = i * 0.1
+        lib.error("Unable connect to node with id %s", 1)
+    lib.error("another message")  # a different line is not held back
+    now[0] = 31.0
+    lib.error("Unable connect to node with id %s", 1)
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [(x["event"], x.get("repeated")) for x in lines] == [
+        ("Unable connect to node with id 1", None),
+        ("another message", None),
+        ("Unable connect to node with id 1", 199),
+    ]
+
+
+def test_repeat_filter_memory_is_bounded() -> None:
+    from service.app.logs import RepeatFilter
+
+    f = RepeatFilter(30.0, max_keys=10, clock=lambda: 0.0)
+    for i in range(100):
+        record = logging.LogRecord("lib", logging.ERROR, __file__, 1, f"line {i}", None, None)
+        assert f.filter(record)
+    assert len(f._seen) <= 10

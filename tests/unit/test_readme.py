@@ -86,9 +86,26 @@ def _service_metrics() -> dict[str, tuple[str, ...]]:
     collectors = list(registry._collector_to_names)
     out: dict[str, tuple[str, ...]] = {}
     for c in collectors:
-        name = c._name + ("_total" if c._type == "counter" else "")
-        out[name] = tuple(c._labelnames)
+        if not hasattr(c, "_name"):
+            continue  # the standard process/platform/GC collectors, documented in prose
+        suffix = {"counter": "_total", "info": "_info"}.get(c._type, "")
+        labels = tuple(c._labelnames)
+        if c._type == "info":  # an info's labels are its keys, set when it is filled
+            labels = tuple(next(iter(c.collect())).samples[0].labels)
+        out[c._name + suffix] = labels
     return out
+
+
+def test_standard_collectors_are_exposed_and_documented() -> None:
+    from prometheus_client import generate_latest
+
+    from service.app.runtime import Runtime
+
+    text = generate_latest(Runtime(Config.load(env={})).metrics.registry).decode()
+    doc = section("HTTP endpoints and metrics")
+    for family in ("process_resident_memory_bytes", "python_info", "python_gc_objects_collected"):
+        assert family in text, family
+        assert f"`{family.split('_')[0]}_" in doc, family
 
 
 def test_metrics_table_lists_every_metric_with_its_labels() -> None:
@@ -100,7 +117,7 @@ def test_metrics_table_lists_every_metric_with_its_labels() -> None:
     assert set(metric_rows) == set(exposed), "README metrics table and the registry differ"
     for name, labels in exposed.items():
         kind, label_cell, meaning = metric_rows[name]
-        assert kind in {"counter", "gauge", "histogram"}, name
+        assert kind in {"counter", "gauge", "histogram", "info"}, name
         assert re.findall(r"`([^`]+)`", label_cell) == list(labels), name
         assert meaning, name
 

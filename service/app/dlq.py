@@ -1,0 +1,294 @@
+"""``crs-consumer dlq list | redrive``: what is in the dead-letter topic, and bringing it back.
+
+Both read the dead-letter topic from its beginning up to the end offsets taken at start
+(``read_committed``, no consumer group: nothing is committed, the topic is not changed).
+
+``redrive`` re-publishes each selected dead letter to the input topic: the original key,
+value and headers (the ``crs.*`` headers of the dead letter dropped), plus
+``crs.redrive.count`` (previous count + 1). The processor keeps that header when it
+dead-letters the record again, so a record already redriven ``max_redrives`` times is
+refused instead of circling forever. Re-publishing is safe to repeat: the replayed
+input's classification has the same event id and the slot write is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+from service.app.config import Config
+from service.stream.processor import REDRIVE_HEADER
+
+__all__ = ["DlqFilter", "DlqRecord", "list_dlq", "read_dlq", "redrive", "redrive_headers"]
+
+_SAMPLE_CHARS = 200
+_SAMPLES_PER_CODE = 3
+_IDLE_POLLS = 4  # empty polls after which the remaining gap is control records
+
+
+@dataclass(frozen=True)
+class DlqRecord:
+    partition: int
+    offset: int
+    timestamp_ms: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes], ...]
+
+    def header(self, name: str) -> str | None:
+        for k, v in self.headers:
+            if k == name:
+                return v.decode("utf-8", errors="replace")
+        return None
+
+    @property
+    def code(self) -> str:
+        return self.header("crs.error") or "unknown"
+
+    @property
+    def redrive_count(self) -> int:
+        raw = self.header(REDRIVE_HEADER)
+        try:
+            return max(0, int(raw)) if raw is not None else 0
+        except ValueError:
+            return 0
+
+
+@dataclass(frozen=True)
+class DlqFilter:
+    codes: frozenset[str] = frozenset()
+    since_ms: int | None = None
+    until_ms: int | None = None
+    partition: int | None = None
+    from_offset: int | None = None
+    to_offset: int | None = None
+
+    def matches(self, r: DlqRecord) -> bool:
+        if self.codes and r.code not in self.codes:
+            return False
+        if self.since_ms is not None and r.timestamp_ms < self.since_ms:
+            return False
+        if self.until_ms is not None and r.timestamp_ms > self.until_ms:
+            return False
+        if self.partition is not None and r.partition != self.partition:
+            return False
+        if self.from_offset is not None and r.offset < self.from_offset:
+            return False
+        return not (self.to_offset is not None and r.offset > self.to_offset)
+
+
+def redrive_headers(r: DlqRecord) -> list[tuple[str, bytes]]:
+    """The original headers without ``crs.*``, plus the incremented redrive count."""
+    kept = [(k, v) for k, v in r.headers if not k.startswith("crs.")]
+    kept.append((REDRIVE_HEADER, str(r.redrive_count + 1).encode("ascii")))
+    return kept
+
+
+async def read_dlq(config: Config, *, max_records: int, visit: Callable[[DlqRecord], None]) -> int:
+    """Call ``visit`` for each dead letter up to the end offsets at start; returns the
+    number read (at most ``max_records``)."""
+    from aiokafka import AIOKafkaConsumer
+    from aiokafka.structs import TopicPartition
+
+    consumer = AIOKafkaConsumer(
+        **config.kafka_client_args(),
+        group_id=None,
+        enable_auto_commit=False,
+        isolation_level="read_committed",
+        auto_offset_reset="earliest",
+    )
+    await consumer.start()
+    read = 0
+    try:
+        # An assign-only consumer tracks no topics; ask the cluster directly.
+        cluster = await consumer._client.fetch_all_metadata()
+        parts = cluster.partitions_for_topic(config.dlq_topic)
+        if not parts:
+            raise LookupError(f"dead-letter topic {config.dlq_topic} does not exist")
+        tps = [TopicPartition(config.dlq_topic, p) for p in sorted(parts)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        end = await consumer.end_offsets(tps)
+        pending = {tp for tp in tps if end[tp] > 0}
+        idle = 0
+        while pending and read < max_records:
+            batch = await consumer.getmany(
+                *pending, timeout_ms=500, max_records=min(500, max_records - read)
+            )
+            idle = 0 if any(batch.values()) else idle + 1
+            for tp, records in batch.items():
+                for rec in records:
+                    if rec.offset >= end[tp] or read >= max_records:
+                        continue
+                    read += 1
+                    visit(
+                        DlqRecord(
+                            partition=tp.partition,
+                            offset=rec.offset,
+                            timestamp_ms=rec.timestamp,
+                            key=rec.key,
+                            value=rec.value,
+                            headers=tuple(rec.headers or ()),
+                        )
+                    )
+            for tp in list(pending):
+                if await consumer.position(tp) >= end[tp]:
+                    pending.discard(tp)
+            if idle >= _IDLE_POLLS:
+                # Transaction markers occupy offsets no record is returned for: a
+                # partition that only has those left is done.
+                break
+    finally:
+        await consumer.stop()
+    return read
+
+
+@dataclass
+class _CodeSummary:
+    count: int = 0
+    first_ms: int | None = None
+    last_ms: int | None = None
+    offsets: dict[int, list[int]] = field(default_factory=dict)  # partition -> [min, max]
+    samples: list[str] = field(default_factory=list)
+
+    def add(self, r: DlqRecord) -> None:
+        self.count += 1
+        self.first_ms = (
+            r.timestamp_ms if self.first_ms is None else min(self.first_ms, r.timestamp_ms)
+        )
+        self.last_ms = r.timestamp_ms if self.last_ms is None else max(self.last_ms, r.timestamp_ms)
+        span = self.offsets.setdefault(r.partition, [r.offset, r.offset])
+        span[0], span[1] = min(span[0], r.offset), max(span[1], r.offset)
+        reason = (r.header("crs.reason") or "")[:_SAMPLE_CHARS]
+        if len(self.samples) < _SAMPLES_PER_CODE and reason not in self.samples:
+            self.samples.append(reason)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "count": self.count,
+            "first": _iso(self.first_ms),
+            "last": _iso(self.last_ms),
+            "offsets": {str(p): {"from": a, "to": b} for p, (a, b) in sorted(self.offsets.items())},
+            "sample_reasons": self.samples,
+        }
+
+
+def _iso(ms: int | None) -> str | None:
+    if ms is None:
+        return None
+    return (
+        datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+    )
+
+
+def parse_time(raw: str) -> int:
+    """ISO 8601 (``2026-01-01T10:00:00Z``; no zone = UTC) to epoch milliseconds."""
+    value = datetime.fromisoformat(raw.strip().replace("Z", "+00:00"))
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    return int(value.timestamp() * 1000)
+
+
+async def list_dlq(
+    config: Config, *, flt: DlqFilter, max_records: int, as_json: bool, out: TextIO = sys.stdout
+) -> int:
+    summary: dict[str, _CodeSummary] = {}
+
+    def visit(r: DlqRecord) -> None:
+        if flt.matches(r):
+            summary.setdefault(r.code, _CodeSummary()).add(r)
+
+    read = await read_dlq(config, max_records=max_records, visit=visit)
+    total = sum(s.count for s in summary.values())
+    if as_json:
+        doc = {
+            "topic": config.dlq_topic,
+            "read": read,
+            "matching": total,
+            "truncated": read >= max_records,
+            "codes": {c: s.as_dict() for c, s in sorted(summary.items())},
+        }
+        print(json.dumps(doc, indent=2), file=out)
+        return 0
+    more = f" (stopped after --max-records {max_records})" if read >= max_records else ""
+    print(f"{config.dlq_topic}: {total} dead letters match of {read} read{more}", file=out)
+    for code, s in sorted(summary.items(), key=lambda kv: -kv[1].count):
+        offsets = ", ".join(f"p{p}:{a}-{b}" for p, (a, b) in sorted(s.offsets.items()))
+        print(
+            f"  {code}: {s.count}  first {_iso(s.first_ms)}  last {_iso(s.last_ms)}  "
+            f"offsets {offsets}",
+            file=out,
+        )
+        for sample in s.samples:
+            print(f"      e.g. {sample!r}", file=out)
+    return 0
+
+
+async def redrive(
+    config: Config,
+    *,
+    flt: DlqFilter,
+    max_records: int,
+    max_redrives: int,
+    dry_run: bool,
+    out: TextIO = sys.stdout,
+) -> int:
+    selected: list[DlqRecord] = []
+    refused: list[tuple[DlqRecord, str]] = []
+
+    def visit(r: DlqRecord) -> None:
+        if not flt.matches(r):
+            return
+        if r.redrive_count >= max_redrives:
+            refused.append((r, f"redriven {r.redrive_count} times (--max-redrives)"))
+        elif r.header("crs.value.omitted") is not None:
+            refused.append((r, "value omitted (too large); the original is in the input topic"))
+        else:
+            selected.append(r)
+
+    read = await read_dlq(config, max_records=max_records, visit=visit)
+    for r, why in refused[:20]:
+        print(f"refused p{r.partition}:{r.offset} ({r.code}): {why}", file=out)
+    if len(refused) > 20:
+        print(f"refused {len(refused) - 20} more", file=out)
+    verb = "would redrive" if dry_run else "redriven"
+    if dry_run or not selected:
+        for r in selected[:20]:
+            print(f"would redrive p{r.partition}:{r.offset} ({r.code})", file=out)
+        print(
+            f"{verb} {len(selected)}, refused {len(refused)}, read {read} "
+            f"from {config.dlq_topic} to {config.input_topic}",
+            file=out,
+        )
+        return 0
+    await _publish(config, selected)
+    print(
+        f"{verb} {len(selected)}, refused {len(refused)}, read {read} "
+        f"from {config.dlq_topic} to {config.input_topic}",
+        file=out,
+    )
+    return 0
+
+
+async def _publish(config: Config, records: Sequence[DlqRecord]) -> None:
+    from aiokafka import AIOKafkaProducer
+
+    producer = AIOKafkaProducer(**config.kafka_client_args(), enable_idempotence=True, acks="all")
+    await producer.start()
+    try:
+        futures = [
+            await producer.send(
+                config.input_topic, key=r.key, value=r.value, headers=redrive_headers(r)
+            )
+            for r in records
+        ]
+        await asyncio.gather(*futures)
+    finally:
+        with contextlib.suppress(Exception):
+            await producer.stop()

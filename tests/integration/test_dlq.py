@@ -1,0 +1,168 @@
+"""`crs-consumer dlq list | redrive` on the real broker, with the service as it runs.
+
+An event is dead-lettered as ``retries_exhausted`` while the API server is unreachable,
+listed, redriven after the "outage", and classified exactly once (one classification,
+the VM in one slot). A record already redriven ``--max-redrives`` times is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import yaml
+
+from service.app.config import SETTINGS, Config
+from service.app.runtime import Runtime
+from tests import e2e
+from tests.conftest import REPO, DevStack
+from tests.integration.test_service_resilience import allocations_by_vm
+
+pytestmark = pytest.mark.integration
+
+
+@pytest_asyncio.fixture
+async def topics(new_topic: Any) -> dict[str, str]:
+    return {
+        "input": await new_topic("in", 1),
+        "output": await new_topic("out", 1),
+        "dlq": await new_topic("dlq", 1),
+    }
+
+
+@contextlib.asynccontextmanager
+async def running(cfg: Config) -> AsyncIterator[Runtime]:
+    runtime = Runtime(cfg)
+    await runtime.start()
+    task = asyncio.create_task(runtime.run())
+    try:
+        yield runtime
+    finally:
+        runtime.request_stop()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 30)
+        await runtime.stop()
+
+
+def cli(cfg: Config, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ}
+    for s in SETTINGS:
+        value = getattr(cfg, s.field)
+        if value is not None:
+            env[s.env] = str(value).lower() if isinstance(value, bool) else str(value)
+    return subprocess.run(
+        [sys.executable, "-m", "service", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def unreachable_kubeconfig(devstack: DevStack, tmp_path: Path) -> str:
+    """The dev stack's kubeconfig, pointed at a port nothing listens on."""
+    config = yaml.safe_load(Path(devstack.kubeconfig).read_text())
+    for cluster in config["clusters"]:
+        cluster["cluster"]["server"] = "https://127.0.0.1:9"
+    path = tmp_path / "kubeconfig-unreachable"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+async def test_dead_lettered_during_an_outage_redriven_and_classified_once(
+    devstack: DevStack, clean_k8s: Any, topics: dict[str, str], tmp_path: Path
+) -> None:
+    await e2e.seed_region(clean_k8s)
+    vm, decision, request = e2e.outcome("hv-1", ["hv-1", "hv-2"])
+    await e2e.publish(
+        devstack.kafka_bootstrap, topics["input"], [e2e.good_record(vm, decision, request)]
+    )
+
+    outage = e2e.config(
+        devstack,
+        topics,
+        KUBECONFIG=unreachable_kubeconfig(devstack, tmp_path),
+        CRS_K8S_READ_MODE="list",
+        CRS_K8S_TIMEOUT_S="1",
+        CRS_MAX_ATTEMPTS="2",
+    )
+    async with running(outage):
+        dead = await e2e.read_all(devstack.kafka_bootstrap, topics["dlq"], 1, timeout_s=60)
+    assert [dict(r.headers)["crs.error"] for r in dead] == [b"retries_exhausted"]
+
+    listed = cli(outage, "dlq", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    summary = json.loads(listed.stdout)
+    assert summary["matching"] == 1
+    entry = summary["codes"]["retries_exhausted"]
+    assert entry["count"] == 1
+    assert entry["offsets"] == {"0": {"from": dead[0].offset, "to": dead[0].offset}}
+    assert "Cannot connect to host 127.0.0.1:9" in entry["sample_reasons"][0]
+    assert entry["first"] == entry["last"]
+
+    dry = cli(outage, "dlq", "redrive", "--code", "retries_exhausted", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "would redrive 1," in dry.stdout
+    other = cli(outage, "dlq", "redrive", "--code", "not_json")
+    assert "redriven 0," in other.stdout or "would redrive 0," in other.stdout
+    inputs = await e2e.read_all(devstack.kafka_bootstrap, topics["input"], 2, timeout_s=3)
+    assert len(inputs) == 1, "a dry run or a non-matching filter published something"
+
+    done = cli(outage, "dlq", "redrive", "--code", "retries_exhausted")
+    assert done.returncode == 0, done.stderr
+    assert "redriven 1, refused 0" in done.stdout
+    inputs = await e2e.read_all(devstack.kafka_bootstrap, topics["input"], 2, timeout_s=30)
+    assert len(inputs) == 2
+    redriven = inputs[1]
+    assert (redriven.key, redriven.value) == (inputs[0].key, inputs[0].value)
+    headers = dict(redriven.headers)
+    assert headers["crs.redrive.count"] == b"1"
+    assert not [k for k in headers if k.startswith("crs.") and k != "crs.redrive.count"]
+    assert [h for h in redriven.headers if not h[0].startswith("crs.")] == list(inputs[0].headers)
+
+    # The "outage" is over: the same group resumes after the dead-lettered offset and
+    # sees only the redriven copy.
+    fixed = e2e.config(devstack, topics)
+    async with running(fixed):
+        await e2e.read_all(devstack.kafka_bootstrap, topics["output"], 1, timeout_s=60)
+        await asyncio.sleep(1.0)  # anything more would be a duplicate
+        outputs = await e2e.read_all(devstack.kafka_bootstrap, topics["output"], 2, timeout_s=3)
+    assert [e2e.data_of(r)["cr_slot"] for r in outputs] == ["slot_used"]
+    assert e2e.data_of(outputs[0])["instance_uuid"] == vm
+    assert (await allocations_by_vm(clean_k8s))[vm] == ["slot-p1-hv1"]
+    dlq_after = await e2e.read_all(devstack.kafka_bootstrap, topics["dlq"], 2, timeout_s=3)
+    assert len(dlq_after) == 1
+
+
+async def test_a_record_redriven_too_often_is_refused(
+    devstack: DevStack, topics: dict[str, str]
+) -> None:
+    loop_headers = [
+        ("crs.error", b"retries_exhausted"),
+        ("crs.reason", b"UnavailableError: timed out"),
+        ("crs.redrive.count", b"3"),
+    ]
+    fresh_headers = [("crs.error", b"retries_exhausted"), ("crs.reason", b"timed out")]
+    await e2e.publish(
+        devstack.kafka_bootstrap,
+        topics["dlq"],
+        [(b"vm-a", b"{}", loop_headers), (b"vm-b", b"{}", fresh_headers)],
+    )
+    cfg = e2e.config(devstack, topics)
+    out = cli(cfg, "dlq", "redrive", "--max-redrives", "3")
+    assert out.returncode == 0, out.stderr
+    assert "refused p0:0 (retries_exhausted): redriven 3 times" in out.stdout
+    assert "redriven 1, refused 1" in out.stdout
+    inputs = await e2e.read_all(devstack.kafka_bootstrap, topics["input"], 1, timeout_s=20)
+    assert [(r.key, dict(r.headers)["crs.redrive.count"]) for r in inputs] == [(b"vm-b", b"1")]

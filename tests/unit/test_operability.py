@@ -1,0 +1,146 @@
+"""Operability pieces without I/O: zero-initialised series, build info, DLQ filters and
+redrive headers, the redrive count surviving a second dead-lettering, --version."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import generate_latest
+
+from service.app.cli import main
+from service.app.dlq import DlqFilter, DlqRecord, parse_time, redrive_headers
+from service.stream.codec import InputRef
+from service.stream.metrics import StreamMetrics, service_version
+from service.stream.processor import Processor
+
+
+def _series(metrics: StreamMetrics) -> str:
+    return generate_latest(metrics.registry).decode()
+
+
+def test_known_label_sets_exist_at_zero_before_any_event() -> None:
+    text = _series(StreamMetrics())
+    for line in (
+        'crs_retries_total{reason="k8s_unavailable"} 0.0',
+        'crs_retries_total{reason="k8s_forbidden"} 0.0',
+        'crs_retries_total{reason="kafka_commit"} 0.0',
+        'crs_dead_letters_total{code="retries_exhausted"} 0.0',
+        'crs_dead_letters_total{code="not_json"} 0.0',
+        'crs_allocations_total{status="failed"} 0.0',
+        'crs_events_total{cr_slot="slot_used",kind="placement"} 0.0',
+        'crs_commit_failures_total{reason="kafka_error"} 0.0',
+        "crs_fenced_total 0.0",
+        'crs_dependency_up{dependency="kafka"} 0.0',
+        'crs_dependency_up{dependency="kubernetes"} 0.0',
+    ):
+        assert line in text, line
+
+
+def test_build_info_and_process_series() -> None:
+    text = _series(StreamMetrics())
+    assert 'crs_build_info{python="' in text
+    assert f'version="{service_version()}"' in text
+    assert "process_cpu_seconds_total" in text
+    assert "python_gc_objects_collected_total" in text
+
+
+def test_stalled_partition_series_goes_with_the_partition() -> None:
+    m = StreamMetrics()
+    m.partition_stalled.labels("in", "3").set(1)
+    assert 'crs_partition_stalled{partition="3",topic="in"} 1.0' in _series(m)
+    m.forget_partition("in", 3)
+    assert 'partition="3"' not in _series(m)
+
+
+def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"crs-consumer {service_version()}"
+
+
+def _record(**kw: object) -> DlqRecord:
+    base: dict[str, object] = {
+        "partition": 0,
+        "offset": 10,
+        "timestamp_ms": parse_time("2026-01-01T10:00:00Z"),
+        "key": b"vm",
+        "value": b"{}",
+        "headers": (
+            ("ce_id", b"1"),
+            ("crs.error", b"retries_exhausted"),
+            ("crs.reason", b"timed out"),
+            ("crs.source.offset", b"4"),
+        ),
+    }
+    base.update(kw)
+    return DlqRecord(**base)  # type: ignore[arg-type]
+
+
+def test_filters_by_code_time_partition_and_offsets() -> None:
+    r = _record()
+    assert DlqFilter().matches(r)
+    assert DlqFilter(codes=frozenset({"retries_exhausted"})).matches(r)
+    assert not DlqFilter(codes=frozenset({"not_json"})).matches(r)
+    assert DlqFilter(since_ms=parse_time("2026-01-01T10:00:00")).matches(r)
+    assert not DlqFilter(since_ms=parse_time("2026-01-01T10:00:01Z")).matches(r)
+    assert not DlqFilter(until_ms=parse_time("2026-01-01T09:59:59Z")).matches(r)
+    assert not DlqFilter(partition=1).matches(r)
+    assert DlqFilter(from_offset=10, to_offset=10).matches(r)
+    assert not DlqFilter(from_offset=11).matches(r)
+    assert not DlqFilter(to_offset=9).matches(r)
+
+
+def test_redrive_headers_drop_crs_headers_and_count_up() -> None:
+    assert redrive_headers(_record()) == [("ce_id", b"1"), ("crs.redrive.count", b"1")]
+    again = _record(headers=(("crs.redrive.count", b"2"), ("crs.error", b"k8s_error")))
+    assert again.redrive_count == 2
+    assert redrive_headers(again) == [("crs.redrive.count", b"3")]
+    assert _record(headers=(("crs.redrive.count", b"junk"),)).redrive_count == 0
+
+
+async def test_a_redriven_record_keeps_its_count_when_dead_lettered_again() -> None:
+    proc = Processor(
+        None,  # type: ignore[arg-type]  # poison never reaches the recorder
+        StreamMetrics(),
+        output_topic="out",
+        dlq_topic="dlq",
+        max_event_bytes=1024,
+        max_attempts=3,
+    )
+    ref = InputRef(topic="in", partition=0, offset=7)
+    out = await proc.process(ref, b"k", b"not json", [("crs.redrive.count", b"2"), ("t", b"x")])
+    headers = dict(out.headers)
+    assert out.dead_letter
+    assert headers["crs.redrive.count"] == b"2"
+    assert headers["t"] == b"x"
+    assert headers["crs.error"] == b"not_json"
+
+
+def test_kafka_causes_without_a_secured_dev_broker_are_named() -> None:
+    """A listener demanding a client certificate is not part of the dev stack: that
+    classification is checked here on the client's own error (with the SASL one); the
+    other causes are reproduced for real in test_check_diagnosis.py and
+    test_check_acls.py."""
+    import ssl
+
+    from aiokafka.errors import KafkaConnectionError, SaslAuthenticationFailed
+
+    from service.app.check import diagnose_kafka
+    from service.app.config import Config
+
+    cfg = Config.load(
+        env={
+            "KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+            "KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+            "KAFKA_SASL_USERNAME": "crs",
+            "KAFKA_SASL_PASSWORD": "pw-1",
+        }
+    )
+    generic = KafkaConnectionError("Unable to bootstrap")
+    auth = diagnose_kafka([SaslAuthenticationFailed("bad"), generic], cfg)
+    assert auth.startswith("authentication failed for KAFKA_SASL_USERNAME=crs")
+    assert "pw-1" not in auth
+    mtls = ssl.SSLError(1, "[SSL: TLSV13_ALERT_CERTIFICATE_REQUIRED] tlsv13 alert")
+    mtls.reason = "TLSV13_ALERT_CERTIFICATE_REQUIRED"
+    assert "client certificate" in diagnose_kafka([mtls, generic], cfg)
+    assert diagnose_kafka([generic], cfg) == "KafkaConnectionError: Unable to bootstrap"
