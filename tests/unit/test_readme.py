@@ -64,7 +64,7 @@ def test_configuration_table_lists_every_setting() -> None:
     assert set(rows) == {s.env for s in SETTINGS}, "README table and SETTINGS differ"
     for s in SETTINGS:
         flag, default, meaning = rows[s.env]
-        assert flag == f"`--{s.field.replace('_', '-')}`", s.env
+        assert flag == f"`{s.flag}`", s.env
         assert default == ("*(unset)*" if s.default is None else f"`{s.default}`"), s.env
         assert s.help.replace("`", "") in meaning.replace("`", ""), s.env
 
