@@ -10,6 +10,7 @@ import asyncio
 import sys
 
 from service.app.config import Config
+from service.app.kafka_access import missing_acls
 
 __all__ = ["run_check"]
 
@@ -32,6 +33,16 @@ async def run_check(config: Config) -> int:
         return 1
     finally:
         await admin.close()
+    try:
+        denied = await missing_acls(config)
+    except Exception as exc:
+        print(f"kafka: FAILED to check ACLs: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if denied:
+        who = f"User:{config.sasl_username}" if config.sasl_username else "this client's principal"
+        for acl, why in denied:
+            print(f"kafka: FAILED: missing ACL for {who}: {acl}: {why}", file=sys.stderr)
+        return 1
     # Outputs to a missing topic would stall every commit (unless the brokers create
     # topics on first use); a missing input topic only means nothing was published yet.
     missing = [t for t in (config.output_topic, config.dlq_topic) if t not in topics]
