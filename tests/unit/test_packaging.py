@@ -257,7 +257,10 @@ def test_dockerfile_is_multi_stage_with_pinned_slim_python() -> None:
         if alias:
             aliases.add(alias)
     final_image, _ = from_image(stages[-1][0][1])
-    assert re.fullmatch(r"python:3\.11(\.\d+)?-slim(-\w+)?", final_image), final_image
+    # Pinned by tag (what it is) and by digest (what it exactly is): see the Dockerfile.
+    assert re.fullmatch(r"python:3\.11(\.\d+)?-slim(-\w+)?@sha256:[0-9a-f]{64}", final_image), (
+        final_image
+    )
     assert ":latest" not in DOCKERFILE.read_text(encoding="utf-8")
 
 
@@ -850,3 +853,13 @@ def test_dockerfile_install_steps_work_without_docker() -> None:
         assert "usage" in result.stdout.lower(), result.stdout
     else:
         assert "/opt-venv/" in result.stdout, "service was imported from the runtime venv"
+
+
+def test_compose_publishes_ports_on_loopback_only() -> None:
+    published = [
+        (name, str(port)) for name, svc in services().items() for port in svc.get("ports", [])
+    ]
+    assert published, "compose publishes nothing"
+    for name, port in published:
+        # host_ip:host_port:container_port; without host_ip Docker binds every interface.
+        assert re.fullmatch(r"127\.0\.0\.1:\d+:\d+", port), f"{name}: {port}"
