@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import TransactionalIdAuthorizationFailed
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from service.app.config import Config
@@ -159,6 +160,19 @@ async def test_service_end_to_end_with_exactly_the_documented_acls(
             vm_b: "no_cr",
         }
         assert [r.value for r in dead] == [b"not json"]
+
+        # The one prefixed ACL also covers partition-bound ids (<prefix>-<topic>-<partition>),
+        # and the broker does enforce it: an id outside the prefix is refused.
+        client_args = Config.load(env=env).kafka_client_args()
+        bound = AIOKafkaProducer(
+            **client_args, transactional_id=f"{env['CRS_GROUP_ID']}-{topics['input']}-0"
+        )
+        await bound.start()
+        await bound.stop()
+        outside = AIOKafkaProducer(**client_args, transactional_id=f"other-{topics['input']}-0")
+        with pytest.raises(TransactionalIdAuthorizationFailed):
+            await outside.start()
+        await outside.stop()
     finally:
         await secure_kafka.revoke(who, acls)
 
