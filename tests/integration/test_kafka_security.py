@@ -49,7 +49,7 @@ def service_env(
     sk: SecureKafka, mode: str, topics: dict[str, str], devstack: DevStack
 ) -> dict[str, str]:
     return {
-        **(sk.sasl_env() if mode == "sasl" else sk.mtls_env()),
+        **(sk.mtls_env() if mode == "mtls" else sk.sasl_env()),
         "KUBECONFIG": devstack.kubeconfig,
         "CRS_INPUT_TOPIC": topics["input"],
         "CRS_OUTPUT_TOPIC": topics["output"],
@@ -59,11 +59,13 @@ def service_env(
         "CRS_GROUP_ID": f"g-{topics['input']}",
         "CRS_HTTP_PORT": "0",
         "CRS_LOG_FORMAT": "json",
+        # At-least-once: no transactions, so no TransactionalId ACL (and no Cluster one).
+        **({"CRS_EXACTLY_ONCE": "false"} if mode == "sasl-at-least-once" else {}),
     }
 
 
 def principal(sk: SecureKafka, mode: str) -> str:
-    return sk.sasl_principal if mode == "sasl" else sk.mtls_principal
+    return sk.mtls_principal if mode == "mtls" else sk.sasl_principal
 
 
 def crs(command: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -119,7 +121,7 @@ async def read_as_admin(
         await consumer.stop()
 
 
-@pytest.mark.parametrize("mode", ["sasl", "mtls"])
+@pytest.mark.parametrize("mode", ["sasl", "mtls", "sasl-at-least-once"])
 async def test_service_end_to_end_with_exactly_the_documented_acls(
     mode: str,
     secure_kafka: SecureKafka,
@@ -130,7 +132,7 @@ async def test_service_end_to_end_with_exactly_the_documented_acls(
 ) -> None:
     env = service_env(secure_kafka, mode, topics, devstack)
     acls = required_acls(Config.load(env=env))
-    assert len(acls) == 5
+    assert len(acls) == (4 if mode == "sasl-at-least-once" else 5)
     who = principal(secure_kafka, mode)
     await secure_kafka.grant(who, acls)
     log = tmp_path / "service.log"
@@ -160,6 +162,8 @@ async def test_service_end_to_end_with_exactly_the_documented_acls(
             vm_b: "no_cr",
         }
         assert [r.value for r in dead] == [b"not json"]
+        if mode == "sasl-at-least-once":
+            return
 
         # The one prefixed ACL also covers partition-bound ids (<prefix>-<topic>-<partition>),
         # and the broker does enforce it: an id outside the prefix is refused.
