@@ -2,8 +2,9 @@
 
 Docker does not run on the development machines, so these tests read the files and check the
 properties that matter (least-privilege RBAC, hardened pods, pinned images, every referenced
-file present); two of them execute helper scripts: deploy/compose/gen-certs.sh (needs openssl)
-and deploy/check-dockerfile-steps.sh (replays the Dockerfile's install steps in a temp venv).
+file present); some execute helper scripts: deploy/compose/gen-certs.sh (needs openssl),
+deploy/check-dockerfile-steps.sh (replays the Dockerfile's install steps in a temp venv) and
+devstack/kustomize (`kustomize build` of deploy/, built from Go modules on first use).
 """
 
 from __future__ import annotations
