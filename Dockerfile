@@ -6,15 +6,24 @@
 #   docker run --rm crs-consumer check                                                # check
 #   docker build --target demo -t crs-consumer-demo .   # the demo/seeding tool (compose `seed`)
 #
-# Two stages: the builder turns pyproject.toml + service/ into a wheel and installs it, with
-# its runtime dependencies only (no dev extra), into a pip-less venv at /opt/venv; the final
-# stage is a clean python:3.11-slim with that venv copied in, no compilers, no build tools.
-# deploy/check-dockerfile-steps.sh repeats the builder's steps without Docker: keep the two
-# in step (it reads the COPY lines below). The demo tool (tools/demo) goes only into the
-# `demo` target, built on top of the builder's venv; the runtime stage, the default target
-# and last stage, never contains it.
+# Two stages: the builder installs the locked runtime dependencies into a pip-less venv at
+# /opt/venv, then turns pyproject.toml + service/ into a wheel and adds it (no dev extra);
+# the final stage is a clean python:3.11-slim with that venv copied in, no compilers, no
+# build tools. deploy/check-dockerfile-steps.sh repeats the builder's steps without Docker:
+# keep the two in step (it reads the COPY lines below).
+#
+# Reproducible: every Python package comes from requirements.lock (runtime) or
+# requirements-build.lock (the build backend), pinned with hashes (pip --require-hashes);
+# regenerate both with deploy/lock.sh after changing pyproject.toml (tests/unit/test_lock.py
+# fails on drift). The base image is pinned by tag AND by the digest of its multi-platform
+# index; the digest wins, the tag says what it is. To update it:
+#   docker buildx imagetools inspect python:3.11-slim-bookworm   # newest 3.11.x: tag + "Digest:"
+# then put the new tag and index digest below (and rebuild, and run the tests).
+#
+# The demo tool (tools/demo) goes only into the `demo` target, built on top of the builder's
+# venv; the runtime stage, the default target and last stage, never contains it.
 
-ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
+ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm@sha256:65a93d69fa75478d554f4ad27c85c1e69fa184956261b4301ebaf6dbb0a3543d
 
 # ---------------------------------------------------------------- builder
 FROM ${PYTHON_IMAGE} AS builder
@@ -24,21 +33,28 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 
 WORKDIR /src
+# Dependencies first: this layer is rebuilt only when a lock file changes.
+COPY requirements.lock requirements-build.lock ./
+RUN --mount=type=cache,target=/root/.cache/pip \
+    python -m pip install --require-hashes --no-deps -r requirements-build.lock \
+    && python -m venv --without-pip /opt/venv \
+    && python -m pip --python /opt/venv/bin/python install --require-hashes --no-deps \
+       -r requirements.lock
+
 # Only what the wheel is built from (see .dockerignore); README* may be absent.
 COPY pyproject.toml README* ./
 COPY service/ service/
-
-RUN --mount=type=cache,target=/root/.cache/pip \
-    python -m pip wheel --no-deps --wheel-dir /wheels . \
-    && python -m venv --without-pip /opt/venv \
-    && python -m pip --python /opt/venv/bin/python install /wheels/*.whl \
+# --no-deps everywhere: nothing is resolved here, `pip check` proves the lock is complete.
+RUN python -m pip wheel --no-deps --no-build-isolation --wheel-dir /wheels . \
+    && python -m pip --python /opt/venv/bin/python install --no-deps /wheels/*.whl \
+    && python -m pip --python /opt/venv/bin/python check \
     && /opt/venv/bin/crs-consumer --help >/dev/null
 
 # ---------------------------------------------------------------- demo (--target demo only)
 FROM builder AS demo-builder
 COPY tools/demo/ /src/tools/demo/
 RUN --mount=type=cache,target=/root/.cache/pip \
-    python -m pip wheel --no-deps --wheel-dir /demo-wheels ./tools/demo \
+    python -m pip wheel --no-deps --no-build-isolation --wheel-dir /demo-wheels ./tools/demo \
     && python -m pip --python /opt/venv/bin/python install --no-deps /demo-wheels/*.whl \
     && /opt/venv/bin/crs-consumer-demo --help >/dev/null
 

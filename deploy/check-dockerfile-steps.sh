@@ -9,8 +9,10 @@
 # Steps, as in the Dockerfile's builder stage:
 #   1. copy exactly the sources the builder stage COPYs (read from the Dockerfile's COPY
 #      lines, filtered by .dockerignore's **/__pycache__ etc.) into a fresh temp dir;
-#   2. `pip wheel --no-deps` that tree;
-#   3. install the wheel, with runtime dependencies only, into a fresh pip-less venv;
+#   2. install requirements-build.lock (hashes required), `pip wheel --no-deps
+#      --no-build-isolation` that tree;
+#   3. install requirements.lock (hashes required, no resolving) and the wheel into a fresh
+#      pip-less venv, and `pip check` it;
 #   4. run the console script from outside the source tree, with the runtime env vars.
 # Uses pip's normal cache; talks to no index but the configured one (PyPI).
 # Env: PYTHON (default: python3.11, else python3), KEEP_TMP=1 to keep the temp dir.
@@ -98,20 +100,24 @@ find "$SRC" \( -name __pycache__ -o -name .mypy_cache -o -name .pytest_cache -o 
 find "$SRC" \( -name '*.pyc' -o -name '*.pyo' \) -delete
 step "context: $(cd "$SRC" && find . -type f | wc -l) files"
 
-# -- 2. pip wheel --no-deps (the builder image's own pip; here a throwaway venv's)
+# -- 2. the locked build backend, then pip wheel --no-deps --no-build-isolation (the builder
+#       image's own pip and python; here a throwaway venv's)
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 "$PYTHON" -m venv "$TMP/build-python"
 BUILD_PY=$TMP/build-python/bin/python
-"$BUILD_PY" -m pip wheel -q --no-deps --wheel-dir "$TMP/wheels" "$SRC"
+"$BUILD_PY" -m pip install -q --require-hashes --no-deps -r "$SRC/requirements-build.lock"
+"$BUILD_PY" -m pip wheel -q --no-deps --no-build-isolation --wheel-dir "$TMP/wheels" "$SRC"
 wheels=("$TMP"/wheels/*.whl)
 [ ${#wheels[@]} -eq 1 ] || die "expected one wheel, got: ${wheels[*]}"
 step "built $(basename "${wheels[0]}")"
 
-# -- 3. pip-less runtime venv with the wheel and its runtime deps only
+# -- 3. pip-less runtime venv: the locked runtime deps (hashes required), then the wheel;
+#       nothing resolved, so `pip check` fails when the lock misses a dependency
 "$PYTHON" -m venv --without-pip "$TMP/opt-venv"
 VENV_PY=$TMP/opt-venv/bin/python
-"$BUILD_PY" -m pip --python "$VENV_PY" install -q "${wheels[0]}"
-"$BUILD_PY" -m pip --python "$VENV_PY" check >&2 || die "installed runtime deps are inconsistent"
+"$BUILD_PY" -m pip --python "$VENV_PY" install -q --require-hashes --no-deps -r "$SRC/requirements.lock"
+"$BUILD_PY" -m pip --python "$VENV_PY" install -q --no-deps "${wheels[0]}"
+"$BUILD_PY" -m pip --python "$VENV_PY" check >&2 || die "the lock does not hold every runtime dependency"
 # crs_demo: the demo/seeding tool (tools/demo) belongs to the `demo` target only.
 for devpkg in pytest pytest_asyncio hypothesis ruff mypy jsonschema crs_demo; do
   if "$VENV_PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$devpkg') is None)"; then

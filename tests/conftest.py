@@ -146,3 +146,24 @@ async def clean_k8s(kube_api: object) -> AsyncIterator[object]:
         yield kube_api
     finally:
         await delete_all_custom_objects(kube_api)
+
+
+@pytest.fixture(scope="session")
+def secure_kafka(devstack: DevStack) -> object:
+    """The secured broker (SASL_SSL + mTLS + ACLs), started on first use; a
+    ``tests.secure_kafka.SecureKafka``."""
+    from tests.secure_kafka import SecureKafka
+
+    proc = subprocess.run(
+        [str(REPO / "devstack" / "up"), "--secure-kafka"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if proc.returncode != 0:
+        pytest.fail(
+            f"devstack/up --secure-kafka failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}",
+            pytrace=False,
+        )
+    return SecureKafka(read_env_file(devstack.run_dir / "secure-kafka" / "env"))

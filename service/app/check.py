@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from service.app.config import Config
+from service.app.kafka_access import missing_acls
 
 __all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "diagnose_kafka", "file_problems", "run_check"]
 
@@ -213,6 +214,18 @@ async def _check_kafka(config: Config) -> int:
     if problems:
         for line in problems:
             _fail(f"kafka: FAILED: {line}")
+        return EXIT_FAILED
+    # Finer than the probes above: Read vs Describe on the input, the prefixed
+    # TransactionalId ACL, asked of the broker without side effects (kafka_access).
+    try:
+        denied = await missing_acls(config)
+    except Exception as exc:
+        _fail(f"kafka: FAILED to check ACLs: {type(exc).__name__}: {exc}")
+        return EXIT_FAILED
+    if denied:
+        who = f"User:{config.sasl_username}" if config.sasl_username else "this client's principal"
+        for acl, why in denied:
+            _fail(f"kafka: FAILED: missing ACL for {who}: {acl}: {why}")
         return EXIT_FAILED
     # Outputs to a missing topic would stall every commit (unless the brokers create
     # topics on first use); a missing input topic only means nothing was published yet.

@@ -26,8 +26,21 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("settings (each also read from its environment variable)")
     for s in SETTINGS:
         default = "unset" if s.default is None else s.default
+        if s.secret:
+            group.add_argument(
+                s.flag,
+                dest=f"{s.field}_file",
+                metavar="PATH",
+                default=None,
+                help=f"file holding the {s.help} [env {s.env} or {s.file_env}]",
+            )
+            # The old value flag put the secret into `ps` output: refused with a pointer.
+            group.add_argument(
+                f"--{s.field.replace('_', '-')}", dest=s.field, help=argparse.SUPPRESS
+            )
+            continue
         group.add_argument(
-            f"--{s.field.replace('_', '-')}",
+            s.flag,
             dest=s.field,
             metavar=s.env,
             default=None,
@@ -52,8 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    """The configuration from the environment, overridden by the flags given (ConfigError)."""
-    return Config.load(overrides={s.field: getattr(args, s.field) for s in SETTINGS})
+    """The configuration from the environment, overridden by the flags given (ConfigError).
+
+    A secret comes from its variable or a file (``--*-file``), never from a flag value.
+    """
+    overrides: dict[str, str | None] = {}
+    for s in SETTINGS:
+        key = f"{s.field}_file" if s.secret else s.field
+        overrides[key] = getattr(args, key)
+    return Config.load(overrides=overrides)
 
 
 # --- operability: --version, dlq list | redrive
@@ -117,6 +137,14 @@ def _run_dlq(args: argparse.Namespace, config: Config) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for s in SETTINGS:
+        if s.secret and getattr(args, s.field) is not None:
+            print(
+                f"crs-consumer: --{s.field.replace('_', '-')} is not accepted (a command line "
+                f"is visible to other users): set {s.env} or {s.file_env}, or pass {s.flag}",
+                file=sys.stderr,
+            )
+            return 2
     try:
         config = config_from_args(args)
     except ConfigError as exc:

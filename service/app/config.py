@@ -8,11 +8,16 @@ variable, so an operator can fix a Deployment without reading code.
 from __future__ import annotations
 
 import os
+import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 __all__ = ["SETTINGS", "Config", "ConfigError", "Setting"]
+
+_CLIENT_TLS = frozenset({"ssl_certfile", "ssl_keyfile", "ssl_key_password"})
+# Trailing line breaks of a secret file are an editor's, not part of the secret.
+_FILE_TRAILER = "\r\n"
 
 
 class ConfigError(ValueError):
@@ -78,7 +83,12 @@ def _log_level(raw: str) -> str:
 
 @dataclass(frozen=True)
 class Setting:
-    """One configurable value: its field, variable, default, parser and meaning."""
+    """One configurable value: its field, variable, default, parser and meaning.
+
+    A secret is masked in logs and errors, and has no value flag: a command line shows in
+    ``ps`` and in the pod spec. It comes from ``ENV``, or from the file named by
+    ``ENV_FILE`` / ``--<name>-file`` (a mounted Secret), never both.
+    """
 
     field: str
     env: str
@@ -86,6 +96,15 @@ class Setting:
     parse: Callable[[str], Any]
     help: str
     secret: bool = False
+
+    @property
+    def flag(self) -> str:
+        """The command-line flag; a secret's flag takes the path of a file holding it."""
+        return f"--{self.field.replace('_', '-')}" + ("-file" if self.secret else "")
+
+    @property
+    def file_env(self) -> str:
+        return f"{self.env}_FILE"
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -99,6 +118,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("sasl_password", "KAFKA_SASL_PASSWORD", None, _text, "SASL password", secret=True),
     Setting("ssl_cafile", "KAFKA_SSL_CAFILE", None, _nonempty,
             "CA bundle for the brokers' TLS certificates"),
+    Setting("ssl_certfile", "KAFKA_SSL_CERTFILE", None, _nonempty,
+            "Client certificate (PEM) for mutual TLS, e.g. a Strimzi KafkaUser's user.crt"),
+    Setting("ssl_keyfile", "KAFKA_SSL_KEYFILE", None, _nonempty,
+            "Private key (PEM) of the client certificate"),
+    Setting("ssl_key_password", "KAFKA_SSL_KEY_PASSWORD", None, _text,
+            "Password of an encrypted KAFKA_SSL_KEYFILE", secret=True),
     Setting("input_topic", "CRS_INPUT_TOPIC", "nova.scheduling-outcomes", _nonempty,
             "Topic of Nova scheduling outcomes (input)"),
     Setting("output_topic", "CRS_OUTPUT_TOPIC", "cortex.crs.classifications", _nonempty,
@@ -162,6 +187,35 @@ SETTINGS: tuple[Setting, ...] = (
 )  # fmt: skip
 
 
+def _raw_value(
+    s: Setting, env: Mapping[str, str], overrides: Mapping[str, str | None]
+) -> tuple[str | None, str]:
+    """The raw text of one setting and where it came from (for error messages)."""
+    raw = overrides.get(s.field)  # programmatic callers may pass a secret's value
+    if raw is not None:
+        return raw, s.flag
+    if s.secret:
+        path = overrides.get(f"{s.field}_file")
+        if path is not None:
+            return _read_secret(path, s.flag), s.flag
+        value, path = env.get(s.env) or None, env.get(s.file_env) or None
+        if value is not None and path is not None:
+            raise ConfigError(f"{s.env} and {s.file_env} are both set; set one")
+        if path is not None:
+            return _read_secret(path, s.file_env), s.file_env
+        return value, s.env
+    return env.get(s.env) or None, s.env
+
+
+def _read_secret(path: str, source: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read().rstrip(_FILE_TRAILER) or None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise ConfigError(f"{source}={path!r}: cannot read the secret file: {reason}") from None
+
+
 @dataclass(frozen=True)
 class Config:
     bootstrap_servers: str
@@ -170,6 +224,9 @@ class Config:
     sasl_username: str | None
     sasl_password: str | None
     ssl_cafile: str | None
+    ssl_certfile: str | None
+    ssl_keyfile: str | None
+    ssl_key_password: str | None
     input_topic: str
     output_topic: str
     dlq_topic: str
@@ -211,11 +268,7 @@ class Config:
         overrides = overrides or {}
         values: dict[str, Any] = {}
         for s in SETTINGS:
-            raw = overrides.get(s.field)
-            source = f"--{s.field.replace('_', '-')}"
-            if raw is None:
-                raw = env.get(s.env) or None
-                source = s.env
+            raw, source = _raw_value(s, env, overrides)
             if raw is None:
                 raw = s.default
                 source = f"{s.env} (default)"
@@ -238,6 +291,16 @@ class Config:
                     self, s.field
                 ):
                     raise ConfigError(f"{s.env} is required when KAFKA_SECURITY_PROTOCOL is SASL_*")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ConfigError("KAFKA_SSL_CERTFILE and KAFKA_SSL_KEYFILE go together (mutual TLS)")
+        if self.ssl_key_password and not self.ssl_keyfile:
+            raise ConfigError("KAFKA_SSL_KEY_PASSWORD needs KAFKA_SSL_KEYFILE")
+        tls = self.security_protocol in {"SSL", "SASL_SSL"}
+        for s in SETTINGS:
+            if s.field in _CLIENT_TLS and getattr(self, s.field) and not tls:
+                raise ConfigError(f"{s.env} needs KAFKA_SECURITY_PROTOCOL SSL or SASL_SSL")
+        if tls:
+            self.kafka_client_args()  # unreadable or mismatched TLS files fail here, by name
         if len({self.input_topic, self.output_topic, self.dlq_topic}) != 3:
             raise ConfigError("CRS_INPUT_TOPIC, CRS_OUTPUT_TOPIC and CRS_DLQ_TOPIC must differ")
         if self.revoke_wait_s * 1000 > self.session_timeout_ms / 2:
@@ -262,9 +325,7 @@ class Config:
                 "sasl_plain_password": self.sasl_password,
             }
         if self.security_protocol in {"SSL", "SASL_SSL"}:
-            from aiokafka.helpers import create_ssl_context
-
-            args["ssl_context"] = create_ssl_context(cafile=self.ssl_cafile)
+            args["ssl_context"] = self._ssl_context()
         return args
 
     def kafka_consumer_args(self) -> dict[str, Any]:
@@ -273,6 +334,23 @@ class Config:
             "metadata_max_age_ms": int(self.metadata_max_age_s * 1000),
             "session_timeout_ms": self.session_timeout_ms,
         }
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        try:
+            ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ssl_cafile)
+            if self.ssl_certfile:
+                # A callable, even for an unencrypted key: with no password OpenSSL would
+                # prompt on the terminal for an encrypted one instead of failing.
+                password = self.ssl_key_password or ""
+                ctx.load_cert_chain(self.ssl_certfile, self.ssl_keyfile, lambda: password)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            names = "KAFKA_SSL_CAFILE" + (
+                ", KAFKA_SSL_CERTFILE, KAFKA_SSL_KEYFILE, KAFKA_SSL_KEY_PASSWORD"
+                if self.ssl_certfile
+                else ""
+            )
+            raise ConfigError(f"cannot load the TLS files ({names}): {exc}") from None
+        return ctx
 
     def redacted(self) -> dict[str, Any]:
         """The settings for logs and ``check`` output, with secrets masked."""

@@ -23,6 +23,7 @@ from aiokafka import errors as kafka_errors
 
 from service.app.config import Config
 from service.app.http import HealthChecks, HttpServer, LoopWatchdog
+from service.app.kafka_access import ensure_access as ensure_kafka_access
 from service.crs import Recorder
 from service.crs.ports import ApiError
 from service.k8s import K8sMetrics, KubeClient, ListClusterState
@@ -58,6 +59,7 @@ class Runtime:
 
     async def start(self) -> None:
         c = self.config
+        await ensure_kafka_access(c)  # a missing ACL fails the start, named, not the loop
         self.client = await KubeClient.create(
             c.kubeconfig, request_timeout_s=c.k8s_timeout_s, metrics=self.k8s_metrics
         )

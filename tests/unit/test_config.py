@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ssl
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -70,7 +72,7 @@ def test_every_setting_has_a_flag() -> None:
     run_help = build_parser()._subparsers._group_actions[0].choices["run"].format_help()  # type: ignore[union-attr]
     assert "run" in help_text
     for s in SETTINGS:
-        assert f"--{s.field.replace('_', '-')}" in run_help
+        assert s.flag in run_help
         assert s.env in run_help
 
 
@@ -114,3 +116,159 @@ def test_module_entry_point_is_the_cli() -> None:
     )
     assert bad.returncode == 2
     assert "CRS_MAX_BATCH" in bad.stderr
+
+
+# ---------------------------------------------------------------- secrets and client TLS
+
+SASL = {
+    "KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+    "KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+    "KAFKA_SASL_USERNAME": "crs",
+}
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def client_cert(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A client certificate with a plain key and the same key encrypted ("s3cret")."""
+    d = tmp_path_factory.mktemp("pki")
+    key, crt, enc = d / "user.key", d / "user.crt", d / "user-enc.key"
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+             "-keyout", str(key), "-out", str(crt), "-subj", "/CN=crs", "-days", "1")  # fmt: skip
+    _openssl("pkey", "-in", str(key), "-out", str(enc), "-aes256", "-passout", "pass:s3cret")
+    other = d / "other.key"
+    _openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256",
+             "-out", str(other))  # fmt: skip
+    return {"crt": str(crt), "key": str(key), "enc": str(enc), "other": str(other)}
+
+
+def test_a_secret_is_read_from_its_file_variable(tmp_path: Path) -> None:
+    secret = tmp_path / "password"
+    secret.write_text("from-file\n")
+    c = Config.load(env={**SASL, "KAFKA_SASL_PASSWORD_FILE": str(secret)})
+    assert c.sasl_password == "from-file"  # the editor's trailing newline is not part of it
+    assert c.kafka_client_args()["sasl_plain_password"] == "from-file"
+    assert "from-file" not in repr(c.redacted())
+
+
+def test_a_secret_file_given_by_flag_wins_over_the_environment(tmp_path: Path) -> None:
+    secret = tmp_path / "password"
+    secret.write_text("flag-file")
+    env = {**SASL, "KAFKA_SASL_PASSWORD": "from-env"}
+    c = Config.load(env=env, overrides={"sasl_password_file": str(secret)})
+    assert c.sasl_password == "flag-file"
+
+
+def test_a_secret_and_its_file_variable_together_are_refused(tmp_path: Path) -> None:
+    secret = tmp_path / "password"
+    secret.write_text("x")
+    env = {**SASL, "KAFKA_SASL_PASSWORD": "y", "KAFKA_SASL_PASSWORD_FILE": str(secret)}
+    with pytest.raises(ConfigError, match="KAFKA_SASL_PASSWORD and KAFKA_SASL_PASSWORD_FILE"):
+        Config.load(env=env)
+
+
+def test_an_unreadable_secret_file_is_named_without_its_content(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(ConfigError, match=r"KAFKA_SASL_PASSWORD_FILE=.*nope") as err:
+        Config.load(env={**SASL, "KAFKA_SASL_PASSWORD_FILE": str(missing)})
+    assert "cannot read" in str(err.value)
+    empty = tmp_path / "empty"
+    empty.write_text("\n")  # an empty secret is no secret: the SASL check names the variable
+    with pytest.raises(ConfigError, match="KAFKA_SASL_PASSWORD is required"):
+        Config.load(env={**SASL, "KAFKA_SASL_PASSWORD_FILE": str(empty)})
+
+
+def test_secrets_have_no_value_flag_and_the_old_one_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    secrets = [s for s in SETTINGS if s.secret]
+    assert {s.env for s in secrets} == {"KAFKA_SASL_PASSWORD", "KAFKA_SSL_KEY_PASSWORD"}
+    run_help = build_parser()._subparsers._group_actions[0].choices["run"].format_help()  # type: ignore[union-attr]
+    assert "--sasl-password-file" in run_help
+    assert "--sasl-password " not in run_help
+    assert main(["check", "--sasl-password", "hunter2"]) == 2
+    err = capsys.readouterr().err
+    assert "KAFKA_SASL_PASSWORD_FILE" in err
+    assert "hunter2" not in err
+
+
+def test_cli_reads_the_password_from_a_file(tmp_path: Path) -> None:
+    secret = tmp_path / "password"
+    secret.write_text("pw")
+    # A wrong mechanism stops the CLI at configuration time, after the file was read: the
+    # error names the mechanism, not the password, so the file was accepted.
+    proc = subprocess.run(
+        [sys.executable, "-m", "service", "check", "--sasl-password-file", str(secret),
+         "--security-protocol", "SASL_PLAINTEXT", "--sasl-username", "u",
+         "--sasl-mechanism", "GSSAPI"],
+        capture_output=True, text=True, cwd=REPO, check=False, env={"PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "KAFKA_SASL_MECHANISM" in proc.stderr or "--sasl-mechanism" in proc.stderr
+    missing = subprocess.run(
+        [sys.executable, "-m", "service", "check", "--sasl-password-file", str(tmp_path / "x")],
+        capture_output=True, text=True, cwd=REPO, check=False, env={"PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert missing.returncode == 2
+    assert "--sasl-password-file" in missing.stderr
+
+
+def test_client_certificate_settings_build_an_mtls_context(client_cert: dict[str, str]) -> None:
+    env = {
+        "KAFKA_SECURITY_PROTOCOL": "SSL",
+        "KAFKA_SSL_CERTFILE": client_cert["crt"],
+        "KAFKA_SSL_KEYFILE": client_cert["enc"],
+        "KAFKA_SSL_KEY_PASSWORD": "s3cret",
+    }
+    c = Config.load(env=env)
+    ctx = c.kafka_client_args()["ssl_context"]
+    assert ctx.verify_mode == ssl.CERT_REQUIRED
+    assert "s3cret" not in repr(c.redacted())
+    plain = Config.load(
+        env={"KAFKA_SECURITY_PROTOCOL": "SSL", "KAFKA_SSL_CERTFILE": client_cert["crt"],
+             "KAFKA_SSL_KEYFILE": client_cert["key"]}
+    )  # fmt: skip
+    assert plain.ssl_key_password is None
+
+
+def test_the_key_password_also_comes_from_a_file(
+    client_cert: dict[str, str], tmp_path: Path
+) -> None:
+    pw = tmp_path / "key-password"
+    pw.write_text("s3cret\n")
+    env = {
+        "KAFKA_SECURITY_PROTOCOL": "SSL",
+        "KAFKA_SSL_CERTFILE": client_cert["crt"],
+        "KAFKA_SSL_KEYFILE": client_cert["enc"],
+        "KAFKA_SSL_KEY_PASSWORD_FILE": str(pw),
+    }
+    assert Config.load(env=env).ssl_key_password == "s3cret"
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"KAFKA_SSL_KEY_PASSWORD": "wrong"}, "KAFKA_SSL_KEY_PASSWORD"),
+        ({"KAFKA_SSL_KEY_PASSWORD": ""}, "KAFKA_SSL_KEY_PASSWORD"),  # no terminal prompt
+        ({"KAFKA_SSL_KEYFILE": "other"}, "KAFKA_SSL_KEYFILE"),  # key of another certificate
+        ({"KAFKA_SSL_CERTFILE": "/nonexistent.crt"}, "KAFKA_SSL_CERTFILE"),
+        ({"KAFKA_SSL_KEYFILE": None}, "KAFKA_SSL_KEYFILE"),
+        ({"KAFKA_SECURITY_PROTOCOL": "PLAINTEXT"}, "KAFKA_SSL_CERTFILE"),
+    ],
+)
+def test_bad_client_tls_settings_name_the_variable(
+    client_cert: dict[str, str], change: dict[str, str | None], named: str
+) -> None:
+    env: dict[str, str | None] = {
+        "KAFKA_SECURITY_PROTOCOL": "SSL",
+        "KAFKA_SSL_CERTFILE": client_cert["crt"],
+        "KAFKA_SSL_KEYFILE": client_cert["enc"],
+        "KAFKA_SSL_KEY_PASSWORD": "s3cret",
+    }
+    for key, value in change.items():
+        env[key] = client_cert.get(value, value) if value else value
+    with pytest.raises(ConfigError, match=named):
+        Config.load(env={k: v for k, v in env.items() if v is not None})

@@ -2,8 +2,9 @@
 
 Docker does not run on the development machines, so these tests read the files and check the
 properties that matter (least-privilege RBAC, hardened pods, pinned images, every referenced
-file present); two of them execute helper scripts: deploy/compose/gen-certs.sh (needs openssl)
-and deploy/check-dockerfile-steps.sh (replays the Dockerfile's install steps in a temp venv).
+file present); some execute helper scripts: deploy/compose/gen-certs.sh (needs openssl),
+deploy/check-dockerfile-steps.sh (replays the Dockerfile's install steps in a temp venv) and
+devstack/kustomize (`kustomize build` of deploy/, built from Go modules on first use).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ DEPLOY = REPO / "deploy"
 COMPOSE_DIR = DEPLOY / "compose"
 CRD_DIR = REPO / "schemas" / "crds"
 STEPS_SCRIPT = DEPLOY / "check-dockerfile-steps.sh"
+CONFIG_ENV = DEPLOY / "crs-consumer.env"
 CLI_MODULE = REPO / "service" / "app" / "cli.py"
 
 # The service's documented environment (README / CLI contract).
@@ -204,6 +206,16 @@ def image_tag(image: str) -> str | None:
     return last.split(":", 1)[1] if ":" in last else None
 
 
+def configmap_data() -> dict[str, str]:
+    """The settings of the kustomize base's generated ConfigMap (KEY=value lines)."""
+    data: dict[str, str] = {}
+    for line in CONFIG_ENV.read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            data[key] = value
+    return data
+
+
 def deploy_manifest(name: str) -> dict[str, Any]:
     docs = load_yaml_docs(DEPLOY / name)
     assert len(docs) == 1, f"{name}: expected one document, got {len(docs)}"
@@ -257,7 +269,10 @@ def test_dockerfile_is_multi_stage_with_pinned_slim_python() -> None:
         if alias:
             aliases.add(alias)
     final_image, _ = from_image(stages[-1][0][1])
-    assert re.fullmatch(r"python:3\.11(\.\d+)?-slim(-\w+)?", final_image), final_image
+    # Pinned by tag (what it is) and by digest (what it exactly is): see the Dockerfile.
+    assert re.fullmatch(r"python:3\.11(\.\d+)?-slim(-\w+)?@sha256:[0-9a-f]{64}", final_image), (
+        final_image
+    )
     assert ":latest" not in DOCKERFILE.read_text(encoding="utf-8")
 
 
@@ -669,7 +684,6 @@ def test_kustomization_lists_exactly_the_manifests() -> None:
         "serviceaccount.yaml",
         "clusterrole.yaml",
         "clusterrolebinding.yaml",
-        "configmap.yaml",
         "deployment.yaml",
         "service.yaml",
         "servicemonitor.yaml",
@@ -683,26 +697,56 @@ def test_kustomization_lists_exactly_the_manifests() -> None:
         assert doc["metadata"].get("name"), f"{name}: no metadata.name"
     assert deploy_manifest("namespace.yaml")["metadata"]["name"] == NAMESPACE
     assert deploy_manifest("servicemonitor.yaml")["apiVersion"] == "monitoring.coreos.com/v1"
+    (generator,) = kustomization["configMapGenerator"]
+    assert generator["name"] == "crs-consumer"
+    assert generator["envs"] == [CONFIG_ENV.name]
 
 
-def test_kustomize_build_puts_everything_in_the_namespace() -> None:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed (the static checks above still cover deploy/)")
+def kustomize_build(directory: Path) -> list[dict[str, Any]]:
+    """`kustomize build` with the project's own kustomize (devstack/kustomize)."""
     result = subprocess.run(
-        [kubectl, "kustomize", str(DEPLOY)],
+        [str(REPO / "devstack" / "kustomize"), "build", str(directory)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=900,
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    docs = [d for d in yaml.safe_load_all(result.stdout) if d]
+    return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+def test_kustomize_build_puts_everything_in_the_namespace() -> None:
+    docs = kustomize_build(DEPLOY)
     cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
-    assert len(docs) == len(load_yaml(DEPLOY / "kustomization.yaml")["resources"])
+    # The listed resources plus the generated ConfigMap.
+    assert len(docs) == len(load_yaml(DEPLOY / "kustomization.yaml")["resources"]) + 1
     for doc in docs:
         if doc["kind"] not in cluster_scoped:
             assert doc["metadata"].get("namespace") == NAMESPACE, doc["kind"]
+
+
+def test_kustomize_rolls_the_deployment_when_a_setting_changes(tmp_path: Path) -> None:
+    def built(directory: Path) -> tuple[str, str, dict[str, str]]:
+        docs = {d["kind"]: d for d in kustomize_build(directory)}
+        (source,) = docs["Deployment"]["spec"]["template"]["spec"]["containers"][0]["envFrom"]
+        return (
+            docs["ConfigMap"]["metadata"]["name"],
+            source["configMapRef"]["name"],
+            docs["ConfigMap"]["data"],
+        )
+
+    name, referenced, data = built(DEPLOY)
+    assert re.fullmatch(r"crs-consumer-[a-z0-9]{10}", name), "no content hash in the name"
+    assert referenced == name
+    assert data == configmap_data()
+    changed = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, changed)
+    env_file = changed / CONFIG_ENV.name
+    env_file.write_text(env_file.read_text().replace("CRS_MAX_ATTEMPTS=5", "CRS_MAX_ATTEMPTS=6"))
+    new_name, new_referenced, new_data = built(changed)
+    assert new_data["CRS_MAX_ATTEMPTS"] == "6"
+    assert new_name != name, "a changed setting must be a new ConfigMap (and pod template)"
+    assert new_referenced == new_name
 
 
 def test_clusterrole_is_exactly_least_privilege() -> None:
@@ -776,15 +820,16 @@ def test_deployment_security_context() -> None:
 
 def test_deployment_resources() -> None:
     resources = the_container()["resources"]
-    assert resources["requests"] == {"cpu": "100m", "memory": "256Mi"}
+    assert resources["requests"] == {"cpu": "100m", "memory": "256Mi", "ephemeral-storage": "64Mi"}
+    assert resources["limits"]["ephemeral-storage"]
     assert str(resources["limits"]["cpu"]) in {"1", "1000m"}
     assert resources["limits"]["memory"] == "768Mi"
 
 
 def test_deployment_environment() -> None:
     container = the_container()
-    config = deploy_manifest("configmap.yaml")
-    assert container["envFrom"] == [{"configMapRef": {"name": config["metadata"]["name"]}}]
+    # The generator's name; kustomize rewrites it to the hashed one (test above).
+    assert container["envFrom"] == [{"configMapRef": {"name": "crs-consumer"}}]
     env = {e["name"]: e for e in container.get("env", [])}
     assert set(env) <= DOCUMENTED_ENV
     password = env["KAFKA_SASL_PASSWORD"]["valueFrom"]["secretKeyRef"]
@@ -795,13 +840,13 @@ def test_deployment_environment() -> None:
     assert as_list(container.get("args")) in ([], ["run"])
     assert "command" not in container, "keep the image ENTRYPOINT (crs-consumer)"
 
-    shutdown_s = int(config["data"]["CRS_SHUTDOWN_TIMEOUT_S"])
+    shutdown_s = int(configmap_data()["CRS_SHUTDOWN_TIMEOUT_S"])
     pod = deploy_manifest("deployment.yaml")["spec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] > shutdown_s
 
 
 def test_configmap_keys_are_documented_and_not_secret() -> None:
-    data = deploy_manifest("configmap.yaml")["data"]
+    data = configmap_data()
     assert set(data) <= DOCUMENTED_ENV
     assert not set(data) & SECRET_ENV
     assert "KUBECONFIG" not in data, "in-cluster: the service account, not a kubeconfig"
@@ -816,7 +861,7 @@ def test_shipped_settings_are_accepted_by_the_service_config() -> None:
 
     known = {setting.env for setting in service_config.SETTINGS}
     shipped = {
-        "configmap.yaml": deploy_manifest("configmap.yaml")["data"],
+        "crs-consumer.env": configmap_data(),
         "compose consumer": service_env(services()["consumer"]),
         "compose seed": service_env(services()["seed"]),
     }
@@ -825,7 +870,7 @@ def test_shipped_settings_are_accepted_by_the_service_config() -> None:
         assert not unknown, f"{where} sets variables the service does not read: {sorted(unknown)}"
         loaded = service_config.Config.load(env=env)
         assert loaded.http_host == env.get("CRS_HTTP_HOST", loaded.http_host)
-    in_cluster = service_config.Config.load(env=deploy_manifest("configmap.yaml")["data"])
+    in_cluster = service_config.Config.load(env=configmap_data())
     assert in_cluster.kubeconfig is None, "in-cluster: no kubeconfig"
     assert in_cluster.http_port == 8080
     assert in_cluster.http_host == "0.0.0.0"
@@ -881,3 +926,13 @@ def test_dockerfile_install_steps_work_without_docker() -> None:
         assert "usage" in result.stdout.lower(), result.stdout
     else:
         assert "/opt-venv/" in result.stdout, "service was imported from the runtime venv"
+
+
+def test_compose_publishes_ports_on_loopback_only() -> None:
+    published = [
+        (name, str(port)) for name, svc in services().items() for port in svc.get("ports", [])
+    ]
+    assert published, "compose publishes nothing"
+    for name, port in published:
+        # host_ip:host_port:container_port; without host_ip Docker binds every interface.
+        assert re.fullmatch(r"127\.0\.0\.1:\d+:\d+", port), f"{name}: {port}"

@@ -64,7 +64,7 @@ def test_configuration_table_lists_every_setting() -> None:
     assert set(rows) == {s.env for s in SETTINGS}, "README table and SETTINGS differ"
     for s in SETTINGS:
         flag, default, meaning = rows[s.env]
-        assert flag == f"`--{s.field.replace('_', '-')}`", s.env
+        assert flag == f"`{s.flag}`", s.env
         assert default == ("*(unset)*" if s.default is None else f"`{s.default}`"), s.env
         assert s.help.replace("`", "") in meaning.replace("`", ""), s.env
 
@@ -151,3 +151,17 @@ def test_pure_logic_imports_no_io_library() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
     )
     assert result.stdout.strip() == ""
+
+
+def test_acl_table_is_the_services_required_acls() -> None:
+    from service.app.kafka_access import required_acls
+
+    text = section("Access: Kafka ACLs and Kubernetes RBAC")
+    rows = re.findall(r"^\| `(\w+)` \| `([^`]+)` \| (\w+) \| `(\w+)` \|", text, re.M)
+    documented = {(kind, name, pattern, op) for kind, name, pattern, op in rows}
+    acls = required_acls(Config.load(env={}))
+    required = {(a.resource_type, a.name, a.pattern, a.operation) for a in acls}
+    assert documented == required
+    # The CLI and Strimzi examples grant the same five.
+    assert text.count("kafka-acls.sh --bootstrap-server") == len(required)
+    assert text.count("- {resource: {type:") == len(required)

@@ -1,0 +1,224 @@
+"""The service against the secured broker, with exactly the documented least-privilege ACLs.
+
+The broker (devstack/up --secure-kafka) authorizes with StandardAuthorizer and
+``allow.everyone.if.no.acl.found=false``: the service's principals (the SCRAM user
+``crs-sasl``, the certificate ``CN=crs-mtls``) can do nothing they are not granted. Each
+test grants ``required_acls`` (the README's table) on fresh topic and group names, and
+revokes them again afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import TransactionalIdAuthorizationFailed
+from aiokafka.structs import ConsumerRecord, TopicPartition
+
+from service.app.config import Config
+from service.app.kafka_access import Acl, required_acls
+from tests import e2e
+from tests.conftest import REPO, DevStack
+from tests.secure_kafka import SecureKafka
+
+PARTITIONS = 2
+
+
+@pytest_asyncio.fixture
+async def topics(secure_kafka: SecureKafka) -> AsyncIterator[dict[str, str]]:
+    suffix = uuid.uuid4().hex[:8]
+    names = {"input": f"in-{suffix}", "output": f"out-{suffix}", "dlq": f"dlq-{suffix}"}
+    await secure_kafka.create_topics(list(names.values()), PARTITIONS)
+    try:
+        yield names
+    finally:
+        await secure_kafka.delete_topics(list(names.values()))
+
+
+def service_env(
+    sk: SecureKafka, mode: str, topics: dict[str, str], devstack: DevStack
+) -> dict[str, str]:
+    return {
+        **(sk.mtls_env() if mode == "mtls" else sk.sasl_env()),
+        "KUBECONFIG": devstack.kubeconfig,
+        "CRS_INPUT_TOPIC": topics["input"],
+        "CRS_OUTPUT_TOPIC": topics["output"],
+        "CRS_DLQ_TOPIC": topics["dlq"],
+        # The transactional id is left to the service (<group>-<hostname>): the prefixed
+        # ACL on the group id must cover it, as it covers <prefix>-<topic>-<partition>.
+        "CRS_GROUP_ID": f"g-{topics['input']}",
+        "CRS_HTTP_PORT": "0",
+        "CRS_LOG_FORMAT": "json",
+        # At-least-once: no transactions, so no TransactionalId ACL (and no Cluster one).
+        **({"CRS_EXACTLY_ONCE": "false"} if mode == "sasl-at-least-once" else {}),
+    }
+
+
+def principal(sk: SecureKafka, mode: str) -> str:
+    return sk.mtls_principal if mode == "mtls" else sk.sasl_principal
+
+
+def crs(command: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "CRS_"))}
+    with log.open("ab") as fh:
+        return subprocess.Popen(
+            [sys.executable, "-m", "service", command],
+            cwd=REPO,
+            env={**base, **env},
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
+
+
+async def finished(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"{proc.args} did not finish within {timeout_s}s")
+        await asyncio.sleep(0.1)
+    return proc.returncode
+
+
+async def publish_as_admin(sk: SecureKafka, topic: str, records: list[Any]) -> None:
+    producer = AIOKafkaProducer(**sk.admin_args(), acks="all")
+    await producer.start()
+    try:
+        for key, value, headers in records:
+            await producer.send_and_wait(topic, value, key=key, headers=headers)
+    finally:
+        await producer.stop()
+
+
+async def read_as_admin(
+    sk: SecureKafka, topic: str, expected: int, timeout_s: float = 60
+) -> list[ConsumerRecord]:
+    consumer = AIOKafkaConsumer(
+        **sk.admin_args(), isolation_level="read_committed", enable_auto_commit=False
+    )
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        out: list[ConsumerRecord] = []
+        deadline = time.monotonic() + timeout_s
+        while len(out) < expected and time.monotonic() < deadline:
+            for records in (await consumer.getmany(timeout_ms=300)).values():
+                out.extend(records)
+        return out
+    finally:
+        await consumer.stop()
+
+
+@pytest.mark.parametrize("mode", ["sasl", "mtls", "sasl-at-least-once"])
+async def test_service_end_to_end_with_exactly_the_documented_acls(
+    mode: str,
+    secure_kafka: SecureKafka,
+    devstack: DevStack,
+    clean_k8s: Any,
+    topics: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    env = service_env(secure_kafka, mode, topics, devstack)
+    acls = required_acls(Config.load(env=env))
+    assert len(acls) == (4 if mode == "sasl-at-least-once" else 5)
+    who = principal(secure_kafka, mode)
+    await secure_kafka.grant(who, acls)
+    log = tmp_path / "service.log"
+    try:
+        check = crs("check", env, log)
+        assert await finished(check, 60) == 0, log.read_text()[-3000:]
+
+        await e2e.seed_region(clean_k8s)
+        vm_a, decision_a, request_a = e2e.outcome("hv-1", ["hv-1", "hv-2"])  # slot_used
+        vm_b, decision_b, request_b = e2e.outcome(None, ["hv-3"], project="p3")  # no_cr
+        records = [
+            e2e.good_record(vm_a, decision_a, request_a),
+            e2e.good_record(vm_b, decision_b, request_b),
+            (b"poison", b"not json", []),  # the dead-letter topic is written too
+        ]
+        await publish_as_admin(secure_kafka, topics["input"], records)
+        service = crs("run", env, log)
+        try:
+            outputs = await read_as_admin(secure_kafka, topics["output"], 2)
+            dead = await read_as_admin(secure_kafka, topics["dlq"], 1)
+        finally:
+            service.terminate()
+            code = await finished(service, 40)
+        assert code == 0, log.read_text()[-3000:]
+        assert {e2e.data_of(r)["instance_uuid"]: e2e.data_of(r)["cr_slot"] for r in outputs} == {
+            vm_a: "slot_used",
+            vm_b: "no_cr",
+        }
+        assert [r.value for r in dead] == [b"not json"]
+        if mode == "sasl-at-least-once":
+            return
+
+        # The one prefixed ACL also covers partition-bound ids (<prefix>-<topic>-<partition>),
+        # and the broker does enforce it: an id outside the prefix is refused.
+        client_args = Config.load(env=env).kafka_client_args()
+        bound = AIOKafkaProducer(
+            **client_args, transactional_id=f"{env['CRS_GROUP_ID']}-{topics['input']}-0"
+        )
+        await bound.start()
+        await bound.stop()
+        outside = AIOKafkaProducer(**client_args, transactional_id=f"other-{topics['input']}-0")
+        with pytest.raises(TransactionalIdAuthorizationFailed):
+            await outside.start()
+        await outside.stop()
+    finally:
+        await secure_kafka.revoke(who, acls)
+
+
+def _without(acls: list[Acl], index: int) -> tuple[list[Acl], Acl]:
+    return [a for i, a in enumerate(acls) if i != index], acls[index]
+
+
+@pytest.mark.parametrize(
+    "case", ["input-read", "output-write", "dlq-write", "group-read", "txn-write", "describe-only"]
+)
+async def test_without_any_one_acl_check_names_it_and_run_refuses_to_start(
+    case: str,
+    secure_kafka: SecureKafka,
+    devstack: DevStack,
+    topics: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    env = service_env(secure_kafka, "sasl", topics, devstack)
+    acls = required_acls(Config.load(env=env))
+    cases = ["input-read", "output-write", "dlq-write", "group-read", "txn-write"]
+    if case == "describe-only":
+        # Describe instead of Read on the input: the topic is visible, not readable.
+        granted, missing = _without(acls, 0)
+        granted.append(Acl("Topic", topics["input"], "literal", "Describe"))
+    else:
+        granted, missing = _without(acls, cases.index(case))
+    who = secure_kafka.sasl_principal
+    await secure_kafka.grant(who, granted)
+    check_log, run_log = tmp_path / "check.log", tmp_path / "run.log"
+    try:
+        check = crs("check", env, check_log)
+        service = crs("run", env, run_log)
+        check_code = await finished(check, 60)
+        run_code = await finished(service, 60)
+    finally:
+        await secure_kafka.revoke(who, granted)
+    check_out, run_out = check_log.read_text(), run_log.read_text()
+    assert check_code == 1, check_out
+    assert f"kafka: FAILED: missing ACL for {who}: {missing}" in check_out
+    assert check_out.count("missing ACL") == 1, check_out
+    assert run_code == 1, run_out[-3000:]
+    assert "startup_failed" in run_out
+    assert str(missing) in run_out
+    assert "service_started" not in run_out

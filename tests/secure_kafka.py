@@ -1,0 +1,124 @@
+"""The dev stack's secured broker (devstack/up --secure-kafka): clients, users and ACLs.
+
+Set-up (topics, ACLs) goes through the SCRAM super user ``admin``; the service runs as
+``crs-sasl`` (SASL_SSL, SCRAM-SHA-512) or as the certificate ``CN=crs-mtls`` (mTLS),
+neither of which can do anything without an ACL.
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.client import AIOKafkaClient
+from aiokafka.protocol.admin import CreateAclsRequest, DeleteAclsRequest
+
+from service.app.kafka_access import Acl
+
+# org.apache.kafka.common.{resource.ResourceType, resource.PatternType, acl.AclOperation,
+# acl.AclPermissionType} codes.
+RESOURCE_TYPE = {"Topic": 2, "Group": 3, "Cluster": 4, "TransactionalId": 5}
+PATTERN = {"literal": 3, "prefix": 4}
+OPERATION = {"Read": 3, "Write": 4, "Describe": 8}
+ALLOW = 3
+
+
+@dataclass(frozen=True)
+class SecureKafka:
+    env: dict[str, str]
+
+    @property
+    def sasl_bootstrap(self) -> str:
+        return self.env["CRS_SECURE_KAFKA_SASL_BOOTSTRAP"]
+
+    @property
+    def sasl_principal(self) -> str:
+        return f"User:{self.env['CRS_SECURE_KAFKA_SASL_USER']}"
+
+    @property
+    def mtls_principal(self) -> str:
+        return self.env["CRS_SECURE_KAFKA_MTLS_PRINCIPAL"]
+
+    def admin_args(self) -> dict[str, Any]:
+        password = Path(self.env["CRS_SECURE_KAFKA_ADMIN_PASSWORD_FILE"]).read_text().strip()
+        return {
+            "bootstrap_servers": self.sasl_bootstrap,
+            "security_protocol": "SASL_SSL",
+            "sasl_mechanism": "SCRAM-SHA-512",
+            "sasl_plain_username": self.env["CRS_SECURE_KAFKA_ADMIN_USER"],
+            "sasl_plain_password": password,
+            "ssl_context": ssl.create_default_context(cafile=self.env["CRS_SECURE_KAFKA_CA"]),
+        }
+
+    def sasl_env(self) -> dict[str, str]:
+        """The service's settings as the SCRAM user (password from a file, as in a pod)."""
+        return {
+            "KAFKA_BOOTSTRAP_SERVERS": self.sasl_bootstrap,
+            "KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+            "KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+            "KAFKA_SASL_USERNAME": self.env["CRS_SECURE_KAFKA_SASL_USER"],
+            "KAFKA_SASL_PASSWORD_FILE": self.env["CRS_SECURE_KAFKA_SASL_PASSWORD_FILE"],
+            "KAFKA_SSL_CAFILE": self.env["CRS_SECURE_KAFKA_CA"],
+        }
+
+    def mtls_env(self) -> dict[str, str]:
+        """The service's settings as the certificate user (encrypted key, password file)."""
+        return {
+            "KAFKA_BOOTSTRAP_SERVERS": self.env["CRS_SECURE_KAFKA_MTLS_BOOTSTRAP"],
+            "KAFKA_SECURITY_PROTOCOL": "SSL",
+            "KAFKA_SSL_CAFILE": self.env["CRS_SECURE_KAFKA_CA"],
+            "KAFKA_SSL_CERTFILE": self.env["CRS_SECURE_KAFKA_MTLS_CERT"],
+            "KAFKA_SSL_KEYFILE": self.env["CRS_SECURE_KAFKA_MTLS_KEY"],
+            "KAFKA_SSL_KEY_PASSWORD_FILE": self.env["CRS_SECURE_KAFKA_MTLS_KEY_PASSWORD_FILE"],
+        }
+
+    async def create_topics(self, names: list[str], partitions: int = 2) -> None:
+        admin = AIOKafkaAdminClient(**self.admin_args())
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic(n, partitions, 1) for n in names])
+        finally:
+            await admin.close()
+
+    async def delete_topics(self, names: list[str]) -> None:
+        admin = AIOKafkaAdminClient(**self.admin_args())
+        await admin.start()
+        try:
+            await admin.delete_topics(names)
+        finally:
+            await admin.close()
+
+    async def _send(self, requests: list[Any]) -> None:
+        client = AIOKafkaClient(**self.admin_args())
+        await client.bootstrap()
+        try:
+            for request in requests:
+                response = await client.send(client.get_random_node(), request)
+                results = getattr(response, "creation_responses", None) or getattr(
+                    response, "filter_responses", []
+                )
+                errors = [r for r in results if r[0]]
+                assert not errors, f"ACL request failed: {errors}"
+        finally:
+            await client.close()
+
+    async def grant(self, principal: str, acls: list[Acl]) -> None:
+        await self._send([CreateAclsRequest(*_acl_args(principal, a)) for a in acls])
+
+    async def revoke(self, principal: str, acls: list[Acl]) -> None:
+        await self._send([DeleteAclsRequest(*_acl_args(principal, a)) for a in acls])
+
+
+def _acl_args(principal: str, acl: Acl) -> tuple[int, str, int, str, str, int, int]:
+    return (
+        RESOURCE_TYPE[acl.resource_type],
+        acl.name,
+        PATTERN[acl.pattern],
+        principal,
+        "*",
+        OPERATION[acl.operation],
+        ALLOW,
+    )
