@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Submodules, not the package: the script also runs against older trees for before/after.
 from service.crs.classify import classify_no_host_found, classify_placement
 from service.crs.commitments import active_commitments
-from service.crs.evaluator import SlotEvaluator, hv_free_memory, is_slot
+from service.crs.evaluator import HostSlots, SlotEvaluator, hv_free_memory, is_slot
 from service.model import (
     CommittedResource,
     Hypervisor,
@@ -180,18 +180,18 @@ Mode = Callable[[Cluster, list[str]], SlotEvaluator] | None
 
 
 def per_request_ctor(cluster: Cluster, hosts: list[str]) -> SlotEvaluator:
-    """The original constructor over the request's hosts (Reservation lists)."""
+    """List mode: summarise the request's hosts' Reservation lists for every request."""
     free, by_host = cluster.free, cluster.slots_by_host
     return SlotEvaluator(
         {h: free[h] for h in hosts if h in free},
-        {h: by_host[h] for h in hosts if h in by_host},
+        {h: HostSlots.from_reservations(by_host[h]) for h in hosts if h in by_host},
     )
 
 
 def per_request_host_slots(cluster: Cluster, hosts: list[str]) -> SlotEvaluator:
-    """``from_host_slots`` over the request's hosts (HostSlots a cache keeps)."""
+    """Watch mode: the request's hosts' HostSlots as the cache keeps them."""
     free, by_host, ev = cluster.free, cluster.slots_by_host, cluster.evaluator
-    return SlotEvaluator.from_host_slots(
+    return SlotEvaluator(
         {h: free[h] for h in hosts if h in free},
         {h: ev.host_slots(h) for h in hosts if h in by_host},
     )
@@ -282,15 +282,13 @@ def main() -> None:
         ("large", large, None),
         ("large-hot100", hot100, None),
         ("small", small, None),
-        # How a watch cache builds an evaluator per request, over the request's hosts.
+        # The per-request evaluators of list mode (summarised per request) and of
+        # watch mode (the cache's summaries), over the request's hosts.
         ("large/ctor", large, per_request_ctor),
         ("small/ctor", small, per_request_ctor),
+        ("large/hslots", large, per_request_host_slots),
+        ("small/hslots", small, per_request_host_slots),
     ]
-    if hasattr(SlotEvaluator, "from_host_slots"):
-        plans += [
-            ("large/hslots", large, per_request_host_slots),
-            ("small/hslots", small, per_request_host_slots),
-        ]
     # Same hosts for a cluster whatever the mode: only the evaluator differs.
     seeds = {id(large): args.seed + 2, id(hot100): args.seed + 3, id(small): args.seed + 4}
     runs = [
@@ -334,8 +332,7 @@ def main() -> None:
             f"[{min(run.p99s):.1f}..{max(run.p99s):.1f}]"
         )
     pairs = [("large", "small"), ("large-hot100", "small"), ("large/ctor", "small/ctor")]
-    if "large/hslots" in by_label:
-        pairs.append(("large/hslots", "small/hslots"))
+    pairs.append(("large/hslots", "small/hslots"))
     for label, base_label in pairs:
         run, base = by_label[label], by_label[base_label]
         med_ratios = [a / b for a, b in zip(run.medians, base.medians, strict=True)]
