@@ -37,6 +37,7 @@ class FakeBroker:
         self.outputs: list[Rec] = []  # committed output records, in commit order
         self.max_value_bytes = 1 << 20  # of a whole record: key, value, headers
         self.fail_commits = 0  # the next N commits fail with a connection error
+        self.fail_fetches: list[BaseException] = []  # raised by the next fetches, in order
         self.commits = 0
         self.data = asyncio.Event()
 
@@ -182,6 +183,9 @@ class FakeConsumer:
     def seek(self, tp: TopicPartition, offset: int) -> None:
         self.positions[tp] = offset
 
+    async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        return {tp: len(self.broker.logs.get(tp, [])) for tp in tps}
+
     def last_stable_offset(self, tp: TopicPartition) -> int:
         return len(self.broker.logs.get(tp, []))
 
@@ -193,6 +197,8 @@ class FakeConsumer:
     async def getmany(
         self, timeout_ms: int = 0, max_records: int | None = None
     ) -> dict[TopicPartition, list[Rec]]:
+        if self.broker.fail_fetches:
+            raise self.broker.fail_fetches.pop(0)
         limit = max_records or self.max_records
         out: dict[TopicPartition, list[Rec]] = {}
         for tp in sorted(self._assigned - self._paused):

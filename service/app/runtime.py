@@ -190,6 +190,8 @@ class Runtime:
             tp, why = next(iter(stalled.items()))
             where = f"{tp.topic}[{tp.partition}]"
             return False, f"{len(stalled)} partition(s) stalled, e.g. {where}: {why}"
+        if self.stream.fetch_error is not None:
+            return False, f"fetching from Kafka fails: {self.stream.fetch_error}"
         parts = len(self.stream.assignment)
         return True, f"{parts} partitions assigned" if parts else "waiting for assignment"
 

@@ -51,6 +51,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListen
 from aiokafka.errors import (
     CorruptRecordException,
     GroupAuthorizationFailedError,
+    KafkaError,
     MessageSizeTooLargeError,
     ProducerFenced,
     RecordListTooLargeError,
@@ -203,6 +204,7 @@ class StreamService:
         self.started = False
         self.last_loop = clock()
         self.processed = 0
+        self.fetch_error: str | None = None  # set while fetching fails (for readiness)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -264,11 +266,29 @@ class StreamService:
     async def run(self) -> None:
         assert self._consumer is not None, "start() first"
         consumer = self._consumer
+        failures = 0
         while not self._stopping.is_set():
             self.last_loop = self._clock()
-            batch: dict[TopicPartition, list[ConsumerRecord]] = await consumer.getmany(
-                timeout_ms=self._s.poll_timeout_ms, max_records=self._s.max_batch
-            )
+            try:
+                batch: dict[TopicPartition, list[ConsumerRecord]] = await consumer.getmany(
+                    timeout_ms=self._s.poll_timeout_ms, max_records=self._s.max_batch
+                )
+            except KafkaError as exc:
+                # The fetch itself failed (e.g. the group or input ACL was revoked): the
+                # loop keeps turning (liveness) and says why, instead of ending the process.
+                failures += 1
+                delay = (
+                    self._s.retry_backoff_max_s
+                    if isinstance(exc, _AUTHZ)
+                    else (self._backoff(failures))
+                )
+                self.fetch_error = f"{type(exc).__name__}: {str(exc)[:200]}"
+                log.warning("fetch_failed", error=self.fetch_error, retry_in_s=round(delay, 3))
+                await asyncio.sleep(delay)
+                continue
+            if failures:
+                failures = 0
+                self.fetch_error = None
             for tp, records in batch.items():
                 part = self._parts.get(tp)
                 if part is None or part.draining or part.closed:
@@ -630,6 +650,7 @@ class StreamService:
         self._parts[tp] = part
         if start is not None:
             self._committed[tp] = start
+        await self._initial_lag(tp, start or 0)
         consumer.resume(tp)
         log.info(
             "partition_acquired",
@@ -737,6 +758,16 @@ class StreamService:
             if position is None:
                 position = 0
             self._metrics.lag.labels(tp.topic, str(tp.partition)).set(max(end - position, 0))
+
+    async def _initial_lag(self, tp: TopicPartition, committed: int) -> None:
+        """A lag series from assignment on, before the first fetch brings the end offset."""
+        try:
+            ends = await asyncio.wait_for(self._consumer.end_offsets([tp]), 5.0)
+        except Exception:  # the fetch loop sets it soon anyway
+            return
+        end = ends.get(tp)
+        if end is not None:
+            self._metrics.lag.labels(tp.topic, str(tp.partition)).set(max(end - committed, 0))
 
     @property
     def assignment(self) -> set[TopicPartition]:

@@ -365,3 +365,29 @@ async def test_thousands_of_waiting_lanes_drain_without_recursion(broker: FakeBr
     gate.set()
     await until(lambda: len(outputs(broker)) == 3001, limit_s=10)
     await h.stop()
+
+
+async def test_a_failing_fetch_keeps_the_loop_turning_and_says_why(broker: FakeBroker) -> None:
+    from aiokafka.errors import GroupAuthorizationFailedError, KafkaConnectionError
+
+    h = Harness(broker, retry_backoff_max_s=0.05)
+    broker.fail_fetches = [KafkaConnectionError("gone"), GroupAuthorizationFailedError()]
+    broker.append(IN, 0, b"k", b"v")
+    await h.start(TP0)
+    await until(lambda: h.service.fetch_error is not None)
+    await until(lambda: outputs(broker) == [b"v"])
+    assert h.service.fetch_error is None  # cleared by the first good fetch
+    assert not h.task.done()  # type: ignore[union-attr]
+    await h.stop()
+
+
+async def test_lag_is_reported_from_assignment_on(broker: FakeBroker) -> None:
+    h = Harness(broker)
+    gate = h.processor.gates[b"v0"] = asyncio.Event()
+    for i in range(3):
+        broker.append(IN, 0, b"k", b"v%d" % i)
+    await h.start(TP0)
+    assert h.metrics.lag.labels(IN, "0")._value.get() == 3
+    gate.set()
+    await until(lambda: h.metrics.lag.labels(IN, "0")._value.get() == 0)
+    await h.stop()
