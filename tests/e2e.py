@@ -4,12 +4,13 @@ service in-process or as a real process, and readers of what it produced."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import msgspec
@@ -17,6 +18,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from service.app.config import Config
+from service.app.runtime import Runtime
 from service.stream.codec import encode_input
 from tests import factories as f
 from tests import nova
@@ -160,3 +162,18 @@ def spawn(cfg: Config, log_path: str) -> subprocess.Popen[bytes]:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+
+
+@contextlib.asynccontextmanager
+async def running(cfg: Config) -> AsyncIterator[Runtime]:
+    """The service in this process (started, its loop running), stopped again on exit."""
+    runtime = Runtime(cfg)
+    await runtime.start()
+    task = asyncio.create_task(runtime.run())
+    try:
+        yield runtime
+    finally:
+        runtime.request_stop()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 30)
+        await runtime.stop()

@@ -8,12 +8,10 @@ the VM in one slot). A record already redriven ``--max-redrives`` times is refus
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,6 @@ import pytest_asyncio
 import yaml
 
 from service.app.config import SETTINGS, Config
-from service.app.runtime import Runtime
 from tests import e2e
 from tests.conftest import REPO, DevStack
 from tests.integration.test_service_resilience import allocations_by_vm
@@ -37,20 +34,6 @@ async def topics(new_topic: Any) -> dict[str, str]:
         "output": await new_topic("out", 1),
         "dlq": await new_topic("dlq", 1),
     }
-
-
-@contextlib.asynccontextmanager
-async def running(cfg: Config) -> AsyncIterator[Runtime]:
-    runtime = Runtime(cfg)
-    await runtime.start()
-    task = asyncio.create_task(runtime.run())
-    try:
-        yield runtime
-    finally:
-        runtime.request_stop()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 30)
-        await runtime.stop()
 
 
 def cli(cfg: Config, *args: str) -> subprocess.CompletedProcess[str]:
@@ -97,7 +80,7 @@ async def test_dead_lettered_during_an_outage_redriven_and_classified_once(
         CRS_K8S_TIMEOUT_S="1",
         CRS_MAX_ATTEMPTS="2",
     )
-    async with running(outage):
+    async with e2e.running(outage):
         dead = await e2e.read_all(devstack.kafka_bootstrap, topics["dlq"], 1, timeout_s=60)
     assert [dict(r.headers)["crs.error"] for r in dead] == [b"retries_exhausted"]
 
@@ -134,7 +117,7 @@ async def test_dead_lettered_during_an_outage_redriven_and_classified_once(
     # The "outage" is over: the same group resumes after the dead-lettered offset and
     # sees only the redriven copy.
     fixed = e2e.config(devstack, topics)
-    async with running(fixed):
+    async with e2e.running(fixed):
         await e2e.read_all(devstack.kafka_bootstrap, topics["output"], 1, timeout_s=60)
         await asyncio.sleep(1.0)  # anything more would be a duplicate
         outputs = await e2e.read_all(devstack.kafka_bootstrap, topics["output"], 2, timeout_s=3)

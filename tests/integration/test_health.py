@@ -14,7 +14,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,20 +39,6 @@ async def topics(new_topic: Any) -> dict[str, str]:
         "output": await new_topic("out", 1),
         "dlq": await new_topic("dlq", 1),
     }
-
-
-@contextlib.asynccontextmanager
-async def running(cfg: Config) -> AsyncIterator[Runtime]:
-    runtime = Runtime(cfg)
-    await runtime.start()
-    task = asyncio.create_task(runtime.run())
-    try:
-        yield runtime
-    finally:
-        runtime.request_stop()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 30)
-        await runtime.stop()
 
 
 @contextlib.contextmanager
@@ -93,7 +79,7 @@ async def test_frozen_broker_makes_readiness_fail_with_the_cause(
 ) -> None:
     await e2e.seed_region(clean_k8s)
     cfg = e2e.config(devstack, topics, CRS_READINESS_BOUND_S=str(BOUND_S))
-    async with running(cfg) as runtime:
+    async with e2e.running(cfg) as runtime:
         await until_status(runtime, 200, 30)
         await asyncio.sleep(BOUND_S + 1)  # healthy and quiet: still ready past the bound
         assert (await probe(runtime, "/readyz"))[0] == 200
@@ -118,7 +104,7 @@ async def test_frozen_api_server_makes_readiness_fail_within_the_bound(
 ) -> None:
     await e2e.seed_region(clean_k8s)
     cfg = e2e.config(devstack, topics, CRS_READINESS_BOUND_S=str(BOUND_S))
-    async with running(cfg) as runtime:
+    async with e2e.running(cfg) as runtime:
         await until_status(runtime, 200, 30)
         await asyncio.sleep(BOUND_S + 1)  # quiet kinds stay ready: renewals are activity
         assert (await probe(runtime, "/readyz"))[0] == 200
@@ -152,7 +138,7 @@ async def test_a_topic_created_after_start_is_consumed_within_the_refresh_period
     admin = AIOKafkaAdminClient(bootstrap_servers=devstack.kafka_bootstrap)
     await admin.start()
     try:
-        async with running(cfg) as runtime:
+        async with e2e.running(cfg) as runtime:
             await asyncio.sleep(2)
             with contextlib.suppress(TopicAlreadyExistsError):
                 await admin.create_topics([NewTopic(late, 3, 1)])

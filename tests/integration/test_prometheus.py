@@ -17,7 +17,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +26,6 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from service.app.config import Config
-from service.app.runtime import Runtime
 from tests import e2e
 from tests.conftest import DevStack
 from tests.prometheus import MONITORING, prometheus_bin_dir
@@ -49,20 +47,6 @@ async def topics(new_topic: Any) -> dict[str, str]:
         "output": await new_topic("out", 1),
         "dlq": await new_topic("dlq", 1),
     }
-
-
-@contextlib.asynccontextmanager
-async def running(cfg: Config) -> AsyncIterator[Runtime]:
-    runtime = Runtime(cfg)
-    await runtime.start()
-    task = asyncio.create_task(runtime.run())
-    try:
-        yield runtime
-    finally:
-        runtime.request_stop()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 30)
-        await runtime.stop()
 
 
 @contextlib.contextmanager
@@ -130,7 +114,7 @@ async def test_alerts_go_pending_and_dashboard_queries_return_data(
     cfg = e2e.config(devstack, topics, CRS_READINESS_BOUND_S="4")
     vm1, d1, r1 = e2e.outcome("hv-1", ["hv-1", "hv-2"])  # slot_used: a slot write
     vm2, d2, r2 = e2e.outcome(None, ["hv-3"], project="p3")  # no_host_found
-    async with running(cfg) as runtime:
+    async with e2e.running(cfg) as runtime:
         assert runtime.http is not None
         assert runtime.http.port
         with prometheus(tmp_path, runtime.http.port) as base:

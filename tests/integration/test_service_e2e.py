@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -28,20 +26,6 @@ async def topics(new_topic: Any) -> dict[str, str]:
         "output": await new_topic("out", 2),
         "dlq": await new_topic("dlq", 1),
     }
-
-
-@contextlib.asynccontextmanager
-async def running(cfg: Any) -> AsyncIterator[Runtime]:
-    runtime = Runtime(cfg)
-    await runtime.start()
-    task = asyncio.create_task(runtime.run())
-    try:
-        yield runtime
-    finally:
-        runtime.request_stop()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 30)
-        await runtime.stop()
 
 
 async def wait_processed(runtime: Runtime, n: int, timeout_s: float = 60) -> None:
@@ -111,7 +95,7 @@ async def test_every_classification_end_to_end(
         if bad is not None:  # poison between good events, on the same partition key space
             records.append(bad[:3])
     cfg = e2e.config(devstack, topics, CRS_K8S_READ_MODE=read_mode, CRS_MAX_EVENT_BYTES="2048")
-    async with running(cfg) as runtime:
+    async with e2e.running(cfg) as runtime:
         await e2e.publish(devstack.kafka_bootstrap, topics["input"], records)
         await wait_processed(runtime, len(records))
         metrics = await scrape(runtime)
@@ -163,7 +147,7 @@ async def test_missing_knowledge_counts_error(
     await e2e.seed_region(clean_k8s, knowledge=False)
     vm, decision, request = e2e.outcome("hv-1", ["hv-1"])
     cfg = e2e.config(devstack, topics)
-    async with running(cfg) as runtime:
+    async with e2e.running(cfg) as runtime:
         await e2e.publish(
             devstack.kafka_bootstrap, topics["input"], [e2e.good_record(vm, decision, request)]
         )
@@ -195,7 +179,7 @@ async def test_probes_report_readiness(
 ) -> None:
     await e2e.seed_region(clean_k8s)
     cfg = e2e.config(devstack, topics)
-    async with running(cfg) as runtime:
+    async with e2e.running(cfg) as runtime:
         assert runtime.http is not None
         base = f"http://127.0.0.1:{runtime.http.port}"
         async with aiohttp.ClientSession() as session:
