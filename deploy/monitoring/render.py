@@ -1,4 +1,5 @@
-"""Render prometheusrule.yaml (Prometheus Operator) from the plain rules file rules.yaml.
+"""Render prometheusrule.yaml (Prometheus Operator) from the plain rules file rules.yaml,
+and the Helm chart's charts/crs-consumer/alerts/crs-consumer.alerts.yaml (a copy of it).
 
     python deploy/monitoring/render.py                       # rewrite prometheusrule.yaml
     python deploy/monitoring/render.py --runbook-base URL    # absolute runbook links
@@ -18,6 +19,10 @@ from typing import Any
 import yaml
 
 HERE = Path(__file__).resolve().parent
+CHART_RULES = HERE.parents[1] / "charts" / "crs-consumer" / "alerts" / "crs-consumer.alerts.yaml"
+CHART_HEADER = (
+    "# Copied from deploy/monitoring/rules.yaml by deploy/monitoring/render.py; edit that.\n"
+)
 HEADER = (
     "# Generated from rules.yaml by deploy/monitoring/render.py; edit rules.yaml, not this.\n"
     "# Needs the Prometheus Operator's CRDs; an overlay adds the label its Prometheus selects.\n"
@@ -64,14 +69,19 @@ def main() -> int:
     parser.add_argument("--runbook-base", default="", help="prefix for runbook_url")
     parser.add_argument("--check", action="store_true", help="only compare, do not write")
     args = parser.parse_args()
-    text = render(yaml.safe_load((HERE / "rules.yaml").read_text()), args.runbook_base)
-    target = HERE / "prometheusrule.yaml"
+    source = (HERE / "rules.yaml").read_text()
+    outputs = {
+        HERE / "prometheusrule.yaml": render(yaml.safe_load(source), args.runbook_base),
+        CHART_RULES: CHART_HEADER + source,
+    }
     if args.check:
-        if target.read_text() != text:
-            print("prometheusrule.yaml is stale: run deploy/monitoring/render.py", file=sys.stderr)
+        stale = [p.name for p, text in outputs.items() if p.read_text() != text]
+        if stale:
+            print(f"{', '.join(stale)} stale: run deploy/monitoring/render.py", file=sys.stderr)
             return 1
         return 0
-    target.write_text(text)
+    for target, text in outputs.items():
+        target.write_text(text)
     return 0
 
 

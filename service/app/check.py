@@ -203,7 +203,7 @@ async def _check_kafka(config: Config) -> int:
     with _capturing() as capture:
         try:
             await asyncio.wait_for(admin.start(), 15)
-            problems, present = await _kafka_authorization(admin, args, config)
+            present = await _topics_present(admin, config)
             acls = await _describe_acls(admin)
         except Exception as exc:  # the captured client errors say why
             cause = diagnose_kafka([*capture.errors, exc], config)
@@ -211,12 +211,8 @@ async def _check_kafka(config: Config) -> int:
             return EXIT_FAILED
         finally:
             await admin.close()
-    if problems:
-        for line in problems:
-            _fail(f"kafka: FAILED: {line}")
-        return EXIT_FAILED
-    # Finer than the probes above: Read vs Describe on the input, the prefixed
-    # TransactionalId ACL, asked of the broker without side effects (kafka_access).
+    # Authorization per resource (topics, group, the prefixed TransactionalId), asked of
+    # the broker without side effects; the same table `run` checks before it starts.
     try:
         denied = await missing_acls(config)
     except Exception as exc:
@@ -240,79 +236,14 @@ async def _check_kafka(config: Config) -> int:
     return EXIT_OK
 
 
-async def _kafka_authorization(
-    admin: Any, args: dict[str, Any], config: Config
-) -> tuple[list[str], set[str]]:
-    """Problems per resource, asked of the broker; and the topics that exist."""
-    from aiokafka.errors import for_code
+async def _topics_present(admin: Any, config: Config) -> set[str]:
+    """The service's topics that exist (an unauthorized one is not reported missing)."""
     from aiokafka.protocol.metadata import MetadataRequest
 
     topics = [config.input_topic, config.output_topic, config.dlq_topic]
-    role = {
-        config.input_topic: "read (CRS_INPUT_TOPIC)",
-        config.output_topic: "write (CRS_OUTPUT_TOPIC)",
-        config.dlq_topic: "write (CRS_DLQ_TOPIC)",
-    }
     # Named topics, no auto-creation: an unauthorized topic answers 29, not "missing".
     response = await admin._send_request(MetadataRequest(topics, allow_auto_topic_creation=False))
-    problems: list[str] = []
-    present: set[str] = set()
-    for entry in response.topics:
-        code, name = entry[0], entry[1]
-        if code == 0:
-            present.add(name)
-        elif code == 29:
-            problems.append(
-                f"not authorized on topic {name}: the principal needs Describe and "
-                f"{role[name].split()[0].capitalize()} to {role[name]}"
-            )
-        elif code != 3:  # 3: unknown topic, handled by the caller
-            problems.append(f"topic {name}: {for_code(code).__name__}")
-    if config.input_topic in present:
-        problem = await _can_fetch(args, config.input_topic)
-        if problem:
-            problems.append(problem)
-    for key, kind, env, what in (
-        (config.group_id, 0, "CRS_GROUP_ID", "consumer group"),
-        (
-            # The id of the input's partition 0 stands for the whole prefix ACL.
-            f"{config.effective_transactional_id_prefix}-{config.input_topic}-0"
-            if config.exactly_once
-            else None,
-            1,
-            "CRS_TRANSACTIONAL_ID_PREFIX",
-            "transactional id",
-        ),
-    ):
-        if key is None:
-            continue
-        try:
-            await _find_coordinator(admin, key, kind)
-        except Exception as exc:
-            name = type(exc).__name__
-            if "Authorization" in name:
-                needs = "Read" if kind == 0 else "Write"
-                problems.append(
-                    f"not authorized on {what} {key} ({env}): the principal needs {needs} on it"
-                )
-            else:
-                problems.append(f"{what} {key} ({env}): {name}: {exc}")
-    return problems, present
-
-
-async def _find_coordinator(admin: Any, key: str, kind: int, patience_s: float = 10.0) -> None:
-    """FindCoordinator, retried while the coordinator is not available yet (a fresh
-    cluster creates its __consumer_offsets / __transaction_state topics on first use)."""
-    deadline = asyncio.get_running_loop().time() + patience_s
-    while True:
-        try:
-            await admin.find_coordinator(key, kind)
-            return
-        except Exception as exc:
-            retriable = getattr(exc, "retriable", False)
-            if not retriable or asyncio.get_running_loop().time() > deadline:
-                raise
-        await asyncio.sleep(0.5)
+    return {entry[1] for entry in response.topics if entry[0] in (0, 29)}
 
 
 async def _describe_acls(admin: Any) -> str:
@@ -332,26 +263,6 @@ async def _describe_acls(admin: Any) -> str:
         return f"ACLs not described: error {response.error_code}"
     bindings = sum(len(resource[-1]) for resource in response.resources)
     return f"authorizer on, {bindings} ACL bindings; access probed per resource"
-
-
-async def _can_fetch(args: dict[str, Any], topic: str) -> str | None:
-    """A fetch of the input's first partition, without a group: needs Read, changes nothing."""
-    from aiokafka import AIOKafkaConsumer
-    from aiokafka.errors import TopicAuthorizationFailedError
-    from aiokafka.structs import TopicPartition
-
-    consumer = AIOKafkaConsumer(
-        **args, group_id=None, enable_auto_commit=False, fetch_max_bytes=1024
-    )
-    await consumer.start()
-    try:
-        consumer.assign([TopicPartition(topic, 0)])
-        await consumer.getmany(timeout_ms=500, max_records=1)
-    except TopicAuthorizationFailedError:
-        return f"not authorized to read topic {topic} (CRS_INPUT_TOPIC): grant Read on it"
-    finally:
-        await consumer.stop()
-    return None
 
 
 async def _auto_create(admin_args: dict[str, object]) -> bool:

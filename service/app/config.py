@@ -336,6 +336,13 @@ class Config:
         }
 
     def _ssl_context(self) -> ssl.SSLContext:
+        for env, path in (
+            ("KAFKA_SSL_CAFILE", self.ssl_cafile),
+            ("KAFKA_SSL_CERTFILE", self.ssl_certfile),
+            ("KAFKA_SSL_KEYFILE", self.ssl_keyfile),
+        ):
+            if path and not os.path.exists(path):
+                raise ConfigError(f"{env}={path}: no such file")
         try:
             ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ssl_cafile)
             if self.ssl_certfile:

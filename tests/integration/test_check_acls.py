@@ -44,7 +44,7 @@ TXN = "acl-txn"
 # Kafka protocol constants (resource type, operation, permission, pattern)
 TOPIC, GROUP_RES, TXN_RES = 2, 3, 5
 READ, WRITE, DESCRIBE = 3, 4, 8
-ALLOW, LITERAL = 3, 3
+ALLOW, LITERAL, PREFIXED = 3, 3, 4
 
 
 def _jaas() -> str:
@@ -181,7 +181,10 @@ def _admin_setup() -> None:
 
 
 def grant(*acls: tuple[int, str, int]) -> None:
-    """Give User:crs these (resource type, name, operation) permissions."""
+    """Give User:crs these (resource type, name, operation) permissions.
+
+    A TransactionalId ACL is PREFIXED (ids are <prefix>-<topic>-<partition>), the rest
+    literal."""
     import asyncio
 
     from aiokafka.admin import AIOKafkaAdminClient
@@ -192,7 +195,8 @@ def grant(*acls: tuple[int, str, int]) -> None:
         await admin.start()
         try:
             for rtype, name, op in acls:
-                req = CreateAclsRequest(rtype, name, LITERAL, "User:crs", "*", op, ALLOW)
+                pattern = PREFIXED if rtype == TXN_RES else LITERAL
+                req = CreateAclsRequest(rtype, name, pattern, "User:crs", "*", op, ALLOW)
                 resp = await admin._send_request(req)
                 assert all(r[0] == 0 for r in resp.creation_responses), resp
         finally:
@@ -213,7 +217,7 @@ def check(password: str = "crs-pw") -> subprocess.CompletedProcess[str]:
         "CRS_OUTPUT_TOPIC": TOPICS["output"],
         "CRS_DLQ_TOPIC": TOPICS["dlq"],
         "CRS_GROUP_ID": GROUP,
-        "CRS_TRANSACTIONAL_ID": TXN,
+        "CRS_TRANSACTIONAL_ID_PREFIX": TXN,
     }
     return subprocess.run(
         [sys.executable, "-m", "service", "check"],
@@ -240,11 +244,13 @@ def test_no_acls_names_every_resource_not_missing_topics(secured_kafka: str) -> 
     proc = check()
     assert proc.returncode == 1
     err = proc.stderr
+    lines = err.strip().splitlines()
+    assert all(line.startswith("kafka: FAILED: missing ACL for User:crs: ") for line in lines)
     for topic in TOPICS.values():
-        assert f"not authorized on topic {topic}" in err, err
-    assert f"not authorized on consumer group {GROUP} (CRS_GROUP_ID)" in err
-    assert f"not authorized on transactional id {TXN} (CRS_TRANSACTIONAL_ID)" in err
-    assert "missing" not in err
+        assert f"on Topic:{topic} (literal)" in err, err
+    assert f"ALLOW Read on Group:{GROUP} (literal)" in err
+    assert f"ALLOW Write on TransactionalId:{TXN} (prefix)" in err
+    assert "topic(s) missing" not in err  # unauthorized is not "missing"
 
 
 def test_every_acl_but_the_groups_is_one_line(secured_kafka: str) -> None:
@@ -259,10 +265,11 @@ def test_every_acl_but_the_groups_is_one_line(secured_kafka: str) -> None:
     )
     proc = check()
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines() == [
-        f"kafka: FAILED: not authorized on consumer group {GROUP} (CRS_GROUP_ID): "
-        "the principal needs Read on it"
-    ]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(
+        f"kafka: FAILED: missing ACL for User:crs: ALLOW Read on Group:{GROUP} (literal): "
+    )
     grant((GROUP_RES, GROUP, READ))
     proc = check()
     assert proc.stdout.startswith(

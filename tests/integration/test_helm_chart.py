@@ -221,14 +221,21 @@ def test_network_policy_admits_only_monitoring_to_the_metrics_port(helm_built: N
 def test_prometheus_rule_takes_the_charts_rule_files_verbatim(
     helm_built: None, tmp_path: Path
 ) -> None:
-    placeholder = by_kind(render())["PrometheusRule"]
-    assert placeholder["metadata"]["labels"]["prometheus"] == "kubernetes"
-    assert placeholder["metadata"]["labels"]["type"] == "alerting-rules"
+    # The chart ships the service's alert rules (copied from deploy/monitoring/rules.yaml).
+    shipped = by_kind(render())["PrometheusRule"]
+    assert shipped["metadata"]["labels"]["prometheus"] == "kubernetes"
+    assert shipped["metadata"]["labels"]["type"] == "alerting-rules"
+    source = yaml.safe_load((REPO / "deploy" / "monitoring" / "rules.yaml").read_text())
+    assert shipped["spec"]["groups"] == source["groups"]
+
+    # Without a rule file: one placeholder group.
+    chart = tmp_path / "crs-consumer"
+    shutil.copytree(CHART, chart)
+    (chart / "alerts" / "crs-consumer.alerts.yaml").unlink()
+    placeholder = by_kind(render(chart=chart))["PrometheusRule"]
     (group,) = placeholder["spec"]["groups"]
     assert [r["alert"] for r in group["rules"]] == ["CrsConsumerDown"]
 
-    chart = tmp_path / "crs-consumer"
-    shutil.copytree(CHART, chart)
     rules = {
         "groups": [
             {

@@ -81,7 +81,8 @@ def hostile_records(hosts: list[str]) -> list[tuple[str, str, Record]]:
     add("lone-surrogate", "invalid_event", "data/request/hosts/0/host", '"hv-\\ud800"')
     add("null-request", "invalid_event", "data/request", "null")
     add("null-decision", "invalid_event", "data/decision", "null")
-    add("null-hosts", "invalid_event", "data/request/hosts", "null")
+    # ("hosts": null is not hostile: a Go encoder writes a nil slice so, and the reference
+    # reads it as empty; tests/integration/test_parity.py classifies such an event.)
     add("null-spec", "invalid_event", "data/request/spec", "null")
     add("null-instance-uuid", "invalid_event", f"{spec}/instance_uuid", "null")
     add("wrong-type-hosts", "invalid_event", "data/request/hosts", '"hv-1"')
@@ -247,8 +248,16 @@ async def test_startup_waits_for_kafka_and_exits_on_configuration_errors(
     topics = await service_topics(new_topic)
     log = tmp_path / "service.log"
 
-    # A configuration error (the kubeconfig is missing): exit 1 at once, saying so.
-    broken = e2e.config(devstack, topics, KUBECONFIG=str(tmp_path / "missing"))
+    # A missing file is caught before anything starts: exit 2, one line naming it.
+    missing = e2e.config(devstack, topics, KUBECONFIG=str(tmp_path / "missing"))
+    proc = e2e.spawn(missing, str(log))
+    assert proc.wait(timeout=30) == 2, log.read_text()
+    assert f"KUBECONFIG={tmp_path / 'missing'}: no such file" in log.read_text()
+    # A configuration error found while starting (a kubeconfig that is not one): exit 1 at
+    # once, saying so, instead of retrying as if the API server were just unreachable.
+    invalid = tmp_path / "invalid-kubeconfig"
+    invalid.write_text("apiVersion: v1\nkind: Config\nclusters: []\n")
+    broken = e2e.config(devstack, topics, KUBECONFIG=str(invalid))
     proc = e2e.spawn(broken, str(log))
     assert proc.wait(timeout=30) == 1, log.read_text()
     failed = [json.loads(line) for line in log.read_text().splitlines() if "startup_failed" in line]

@@ -31,11 +31,11 @@ def test_at_least_once_needs_no_transactional_id() -> None:
     assert [a.resource_type for a in acls] == ["Topic", "Topic", "Topic", "Group"]
 
 
-def test_an_explicit_transactional_id_outside_the_group_namespace_is_its_own_prefix() -> None:
+def test_the_transactional_id_acl_is_the_prefix_of_the_partition_bound_ids() -> None:
     def txn(env: dict[str, str]) -> Acl:
         return required_acls(Config.load(env=env))[-1]
 
-    inside = txn({"CRS_GROUP_ID": "g", "CRS_TRANSACTIONAL_ID": "g-replica-1"})
-    assert (inside.name, inside.pattern) == ("g", "prefix")
-    outside = txn({"CRS_GROUP_ID": "g", "CRS_TRANSACTIONAL_ID": "legacy-tx"})
-    assert (outside.name, outside.pattern) == ("legacy-tx", "prefix")
+    default = txn({"CRS_GROUP_ID": "g"})
+    assert (default.name, default.pattern, default.operation) == ("g", "prefix", "Write")
+    own = txn({"CRS_GROUP_ID": "g", "CRS_TRANSACTIONAL_ID_PREFIX": "crs-eu-de-1"})
+    assert (own.name, own.pattern) == ("crs-eu-de-1", "prefix")

@@ -27,7 +27,7 @@ def test_known_label_sets_exist_at_zero_before_any_event() -> None:
         'crs_dead_letters_total{code="not_json"} 0.0',
         'crs_allocations_total{status="failed"} 0.0',
         'crs_events_total{cr_slot="slot_used",kind="placement"} 0.0',
-        'crs_commit_failures_total{reason="kafka_error"} 0.0',
+        'crs_commit_failures_total{reason="transient"} 0.0',
         "crs_fenced_total 0.0",
         'crs_dependency_up{dependency="kafka"} 0.0',
         'crs_dependency_up{dependency="kubernetes"} 0.0',
@@ -45,7 +45,7 @@ def test_build_info_and_process_series() -> None:
 
 def test_stalled_partition_series_goes_with_the_partition() -> None:
     m = StreamMetrics()
-    m.partition_stalled.labels("in", "3").set(1)
+    m.stalled.labels("in", "3").set(1)
     assert 'crs_partition_stalled{partition="3",topic="in"} 1.0' in _series(m)
     m.forget_partition("in", 3)
     assert 'partition="3"' not in _series(m)
