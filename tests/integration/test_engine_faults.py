@@ -515,12 +515,12 @@ async def test_conflict_storm_of_three_replicas_decides_every_placement(
     replicas: Replicas,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """3 replicas write placements onto 2 hosts with 2 small slots each (room for 64
-    VMs; 150 placements): every slot fills up exactly, no slot is overfilled, no VM sits
+    """3 replicas write placements onto 2 hosts with 2 small slots each (room for 128
+    VMs; 200 placements): every slot fills up exactly, no slot is overfilled, no VM sits
     in two slots, no placement ends ``allocation=failed``."""
-    partitions, n = 6, 150
-    hosts = await seed(clean_k8s, hosts=2, slots_per_host=2, slot_memory="64Gi")
-    capacity = 2 * 2 * 64 * GiB // VM_BYTES
+    partitions, n = 6, 200
+    hosts = await seed(clean_k8s, hosts=2, slots_per_host=2, slot_memory="128Gi")
+    capacity = 2 * 2 * 128 * GiB // VM_BYTES
     topics = {
         "input": await new_topic("in", partitions),
         "output": await new_topic("out", partitions),
