@@ -174,3 +174,24 @@ def test_the_renderer_cuts_what_callers_did_not(captured: io.StringIO) -> None:
     assert second["exception"].rstrip().endswith("kkk'")  # the end names the error
     assert third["logger"] == "aiokafka"
     assert len(third["event"]) <= logs.MAX_VALUE_CHARS
+
+
+def test_at_info_only_classifications_that_touched_the_cluster_are_logged(
+    captured: io.StringIO,
+) -> None:
+    import dataclasses
+
+    from service.crs.outcome import AllocationStatus
+
+    configure_logging("INFO", "json", stream=captured)
+    routine = dataclasses.replace(
+        outcome("no_host_found", "slot_exhausted"), allocation=AllocationStatus.NOT_APPLICABLE
+    )
+    written = outcome()  # slot_used, allocation written
+    proc = make(ScriptedRecorder(routine, written))
+    value, headers = valid()
+    for offset in range(2):
+        ref = InputRef(topic="in", partition=0, offset=offset)
+        run(proc.process(ref, VM.encode(), value, headers))
+    classified = [line for line in lines(captured) if line["event"] == "classified"]
+    assert [line["allocation"] for line in classified] == ["written"]
