@@ -31,6 +31,7 @@ case-insensitively (the same VM in a different spelling is not an inconsistency)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import reprlib
 import uuid
@@ -370,8 +371,19 @@ def _check_subject(event: InputEvent, key: bytes | None) -> None:
 
 
 def output_event_id(input_id: str) -> str:
-    """The output event id for an input event id: a UUIDv5, stable across replays."""
-    return str(uuid.uuid5(OUTPUT_ID_NAMESPACE, input_id))
+    """The output event id for an input event id: a UUIDv5, stable across replays.
+
+    Equal to ``str(uuid.uuid5(OUTPUT_ID_NAMESPACE, input_id))`` (a test holds them
+    together), computed without the UUID object: that was ~15 µs of a routine event's CPU.
+    """
+    raw = bytearray(hashlib.sha1(_NAMESPACE_BYTES + input_id.encode("utf-8")).digest()[:16])
+    raw[6] = (raw[6] & 0x0F) | 0x50  # version 5
+    raw[8] = (raw[8] & 0x3F) | 0x80  # RFC 4122 variant
+    h = raw.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+_NAMESPACE_BYTES: Final = OUTPUT_ID_NAMESPACE.bytes
 
 
 def encode_output(

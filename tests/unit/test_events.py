@@ -584,3 +584,17 @@ def test_dead_letter_headers_for_a_real_poison() -> None:
     headers = dict(dead_letter_headers(found.code, found.reason, REF))
     assert headers["crs.error"] == b"not_json"
     assert headers["crs.reason"].decode() == found.reason
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=200))
+def test_output_event_id_is_the_uuid5_of_the_input_id(input_id: str) -> None:
+    import uuid
+
+    from service.stream.codec import OUTPUT_ID_NAMESPACE, output_event_id
+
+    try:
+        expected = str(uuid.uuid5(OUTPUT_ID_NAMESPACE, input_id))
+    except UnicodeEncodeError:  # a lone surrogate: uuid5 cannot encode it either
+        return
+    assert output_event_id(input_id) == expected
