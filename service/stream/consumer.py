@@ -75,6 +75,10 @@ from service.stream.processor import (
 
 __all__ = ["StreamService", "StreamSettings", "transactional_id_for"]
 
+# A lane worker with nothing to do for this long ends (a burst leaves no idle tasks).
+_WORKER_IDLE_S = 5.0
+_WORKER_YIELD_EVERY = 64
+
 log = structlog.get_logger(__name__)
 
 _TOO_LARGE = (MessageSizeTooLargeError, RecordTooLargeError, RecordListTooLargeError)
@@ -145,8 +149,10 @@ class _Partition:
         self.producer = producer
         self.ledger = ledger
         self.lanes: dict[bytes, deque[ConsumerRecord]] = {}
-        self.ready: deque[bytes] = deque()  # lanes waiting for a concurrency slot
-        self.tasks: set[asyncio.Task[None]] = set()
+        self.ready: deque[bytes] = deque()  # lanes with records that no worker runs yet
+        self.tasks: set[asyncio.Task[None]] = set()  # the partition's lane workers
+        self.free = 0  # workers not running a lane (idle, or started and not yet busy)
+        self.has_ready = asyncio.Event()
         self.wake = asyncio.Event()
         self.oldest_done: float | None = None
         self.committer: asyncio.Task[None] | None = None
@@ -311,10 +317,8 @@ class StreamService:
                 lane.append(record)
                 continue
             part.lanes[key] = deque((record,))
-            if len(part.tasks) < self._s.key_concurrency:
-                self._start_lane(part, key)
-            else:
-                part.ready.append(key)
+            part.ready.append(key)
+        self._staff(part)
         if part.ledger.in_flight >= self._s.max_in_flight and not part.backpressured:
             part.backpressured = True
             self._consumer.pause(part.tp)
@@ -335,12 +339,61 @@ class StreamService:
 
     # ------------------------------------------------------------------ key lanes
 
-    def _start_lane(self, part: _Partition, key: bytes) -> None:
-        # A task per lane, not an eager first step run by hand: code under the Recorder
-        # (asyncio.timeout in the Kubernetes client) binds to the *current task*, which
-        # must be the lane's own.
-        task = asyncio.get_running_loop().create_task(self._run_lane(part, key))
+    def _staff(self, part: _Partition) -> None:
+        """Make sure a worker will take the ready lanes (a new one only if none is free).
+
+        Lanes are run by a small pool of worker tasks per partition rather than a task per
+        record: most records are decided without ever waiting (no-host-found, placements
+        without a write), so one worker runs lane after lane and task creation would be a
+        large share of their CPU. A worker that waits (a PATCH, a back-off) leaves the
+        others free; a new worker is started when lanes are ready and none is free, up
+        to ``key_concurrency``. Each record still runs in a task of its own lifetime
+        (asyncio.timeout in the Kubernetes client binds to the current task).
+        """
+        if not part.ready or part.draining or part.closed:
+            return
+        if part.free > 0:
+            part.has_ready.set()
+            return
+        if len(part.tasks) >= self._s.key_concurrency:
+            return
+        part.free += 1  # counts as free until it has started and taken a lane
+        task = asyncio.get_running_loop().create_task(self._worker(part))
         part.tasks.add(task)
+
+    async def _worker(self, part: _Partition) -> None:
+        ran = 0
+        try:
+            while not part.draining and not part.closed:
+                if not part.ready:
+                    part.has_ready.clear()
+                    try:
+                        await asyncio.wait_for(part.has_ready.wait(), _WORKER_IDLE_S)
+                    except TimeoutError:
+                        if not part.ready:
+                            return
+                    continue
+                key = part.ready.popleft()
+                if key not in part.lanes:
+                    continue
+                ran += 1
+                if ran % _WORKER_YIELD_EVERY == 0:
+                    # Lanes decided without waiting run back to back; let the fetch
+                    # loop, the committers and the heartbeat in now and then.
+                    part.ready.appendleft(key)
+                    await asyncio.sleep(0)
+                    continue
+                part.free -= 1
+                try:
+                    self._staff(part)  # should this lane wait, another worker takes the rest
+                    await self._run_lane(part, key)
+                finally:
+                    part.free += 1
+        finally:
+            part.free -= 1
+            current = asyncio.current_task()
+            if current is not None:
+                part.tasks.discard(current)
 
     async def _run_lane(self, part: _Partition, key: bytes) -> None:
         lane = part.lanes[key]
@@ -356,24 +409,8 @@ class StreamService:
                     part.oldest_done = self._clock()
                 part.wake.set()
         finally:
-            current = asyncio.current_task()
-            if current is not None:
-                part.tasks.discard(current)
             if not lane and part.lanes.get(key) is lane:
                 del part.lanes[key]
-            if part.ready:
-                self._start_ready(part)
-
-    def _start_ready(self, part: _Partition) -> None:
-        while (
-            part.ready
-            and len(part.tasks) < self._s.key_concurrency
-            and not part.draining
-            and not part.closed
-        ):
-            key = part.ready.popleft()
-            if key in part.lanes:
-                self._start_lane(part, key)
 
     async def _decide(self, part: _Partition, record: ConsumerRecord) -> _Done:
         tp = part.tp
@@ -666,6 +703,7 @@ class StreamService:
         for part in parts:
             part.draining = True
             part.ready.clear()
+            part.has_ready.set()  # idle workers wake up and end
         if wait_s > 0:
             running = [t for part in parts for t in part.tasks]
             if running:
