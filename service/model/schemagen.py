@@ -78,7 +78,8 @@ def _inline_enums(schema: dict[str, Any]) -> dict[str, Any]:
         return node
 
     out: dict[str, Any] = inline(schema)
-    out["$defs"] = {name: d for name, d in out.get("$defs", {}).items() if "enum" not in d}
+    if "$defs" in out:
+        out["$defs"] = {name: d for name, d in out["$defs"].items() if "enum" not in d}
     return out
 
 
