@@ -32,6 +32,7 @@ from service.crs.metrics import (
     new_no_host_found_counter,
     new_placement_counter,
 )
+from service.crs.outcome import AllocationStatus, Outcome, OutcomeKind
 from service.crs.recorder import Recorder
 
 __all__ = [
@@ -41,10 +42,13 @@ __all__ = [
     "INTENT_UNKNOWN",
     "NO_HOST_FOUND_LABELS",
     "PLACEMENT_LABELS",
+    "AllocationStatus",
     "CrSlot",
     "FlavorGroupLookupError",
     "FlavorGroups",
     "FlavorMatch",
+    "Outcome",
+    "OutcomeKind",
     "Recorder",
     "SlotEvaluator",
     "active_commitments",

@@ -1,32 +1,20 @@
 """Classification of a scheduling outcome in terms of committed-resource coverage.
 
-The strings are metric label values shared with the Go implementation's dashboards,
-so they are fixed; :class:`CrSlot` names them in one place.
+The results are :class:`~service.model.vocabulary.CrSlot` members: the same type the
+classification event carries, and, being a ``StrEnum``, the same strings (metric label
+values shared with the Go implementation's dashboards) wherever a ``str`` is expected.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 
 from service.crs.commitments import commitments_exhausted
 from service.crs.evaluator import SlotEvaluator
 from service.model.k8s import CommittedResource
+from service.model.vocabulary import CrSlot
 
 __all__ = ["CrSlot", "classify_no_host_found", "classify_placement"]
-
-
-class CrSlot(enum.StrEnum):
-    NO_CR = "no_cr"
-    SLOT_USED = "slot_used"
-    SLOT_MISSED = "slot_missed"
-    CR_EXHAUSTED = "cr_exhausted"
-    SLOT_EXHAUSTED = "slot_exhausted"
-    SLOT_BLOCKED = "slot_blocked"
-    # Not produced by the classifiers: the surrounding controller's outcomes.
-    ERROR = "error"  # flavor-group lookup failed; counted with flavor_group="unknown"
-    PAYG = "payg"  # flavor in no group; never counted
-    SKIPPED = "skipped"  # options.skip_committed_resource_tracking; never counted
 
 
 def classify_placement(
@@ -35,7 +23,7 @@ def classify_placement(
     candidate_hosts: Sequence[str],
     project_id: str,
     flavor_group: str,
-) -> str:
+) -> CrSlot:
     """Outcome of a successful placement.
 
     ``no_cr`` when there is no active CR or it is used up; ``slot_used`` when any
@@ -44,11 +32,11 @@ def classify_placement(
     whether the pipeline could have used a slot.
     """
     if not active_crs or commitments_exhausted(active_crs):
-        return CrSlot.NO_CR.value
+        return CrSlot.NO_CR
     for host in candidate_hosts:
         if evaluator.has_slot_with_memory(host, project_id, flavor_group):
-            return CrSlot.SLOT_USED.value
-    return CrSlot.SLOT_MISSED.value
+            return CrSlot.SLOT_USED
+    return CrSlot.SLOT_MISSED
 
 
 def classify_no_host_found(
@@ -58,7 +46,7 @@ def classify_no_host_found(
     project_id: str,
     flavor_group: str,
     vm_mem_bytes: int,
-) -> str:
+) -> CrSlot:
     """Why no host was found (argument order as in the reference).
 
     ``no_cr`` without an active CR, ``cr_exhausted`` when it is used up,
@@ -66,10 +54,10 @@ def classify_no_host_found(
     capacity, excluded it), otherwise ``slot_exhausted``.
     """
     if not active_crs:
-        return CrSlot.NO_CR.value
+        return CrSlot.NO_CR
     if commitments_exhausted(active_crs):
-        return CrSlot.CR_EXHAUSTED.value
+        return CrSlot.CR_EXHAUSTED
     for host in input_hosts:
         if evaluator.has_usable_slot(host, project_id, flavor_group, vm_mem_bytes):
-            return CrSlot.SLOT_BLOCKED.value
-    return CrSlot.SLOT_EXHAUSTED.value
+            return CrSlot.SLOT_BLOCKED
+    return CrSlot.SLOT_EXHAUSTED

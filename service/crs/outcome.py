@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Literal
+from typing import Final
 
-__all__ = ["AllocationStatus", "Outcome", "OutcomeKind"]
+from service.model.vocabulary import AllocationStatus, CrSlot, OutcomeKind
 
-OutcomeKind = Literal["placement", "no_host_found"]
-
-
-class AllocationStatus(StrEnum):
-    """What happened to the Reservation slot for this VM."""
-
-    WRITTEN = "written"  # the VM was added to a slot by this call
-    ALREADY_PRESENT = "already_present"  # a matching slot on the target host had it already
-    NO_SLOT = "no_slot"  # slot_used, but no slot on the target host could take it
-    NOT_APPLICABLE = "not_applicable"  # not a slot_used placement: nothing to write
-    FAILED = "failed"  # conflicts did not resolve within the retry budget
+# The vocabularies are defined with the wire types (the model layer) and re-exported here,
+# where the domain has always exposed them.
+__all__ = ["AllocationStatus", "CrSlot", "Outcome", "OutcomeKind"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,12 +20,13 @@ class Outcome:
 
     ``cr_slot`` is one of the reference classes (``no_cr``, ``slot_used``, ``slot_missed``,
     ``cr_exhausted``, ``slot_exhausted``, ``slot_blocked``, ``error``) or ``payg`` /
-    ``skipped`` for events the counters do not count. ``flavor_group`` is None for PAYG
-    and ``"unknown"`` when the flavor-group lookup failed.
+    ``skipped`` for events the counters do not count. ``kind``, ``cr_slot`` and
+    ``allocation`` have the very types the classification event carries. ``flavor_group``
+    is None for PAYG and ``"unknown"`` when the flavor-group lookup failed.
     """
 
     kind: OutcomeKind
-    cr_slot: str
+    cr_slot: CrSlot
     intent: str
     instance_uuid: str
     project_id: str
@@ -43,3 +37,27 @@ class Outcome:
     allocation: AllocationStatus = AllocationStatus.NOT_APPLICABLE
     vm_memory_bytes: int | None = None
     conflicts: int = 0
+
+    def __post_init__(self) -> None:
+        # mypy proves that typed callers pass members. A plain string from untyped code
+        # (a fixture's dict, a debugger) becomes its member here or is refused, so an
+        # off-contract value is stopped where it is made, never on the way to the wire.
+        for name, vocabulary in _VOCABULARIES:
+            value = getattr(self, name)
+            if type(value) is not vocabulary:
+                object.__setattr__(self, name, _member(vocabulary, name, value))
+
+
+_VOCABULARIES: Final[tuple[tuple[str, type[StrEnum]], ...]] = (
+    ("kind", OutcomeKind),
+    ("cr_slot", CrSlot),
+    ("allocation", AllocationStatus),
+)
+
+
+def _member(vocabulary: type[StrEnum], name: str, value: object) -> StrEnum:
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return vocabulary(value)
+    values = sorted(m.value for m in vocabulary)
+    raise ValueError(f"{name} {value!r} is not one of {values}")

@@ -34,7 +34,7 @@ from service.crs.flavors import (
     parse_flavor_groups,
 )
 from service.crs.intent import resolve_intent
-from service.crs.outcome import AllocationStatus, Outcome
+from service.crs.outcome import AllocationStatus, Outcome, OutcomeKind
 from service.crs.ports import ClusterState, ConflictError, NotFoundError, Snapshot
 from service.model import Decision, ExternalSchedulerRequest, Knowledge, Reservation
 from service.quantity import format_binary_si, format_decimal_si
@@ -174,7 +174,7 @@ class Recorder:
         )
 
         def outcome(
-            cr_slot: str,
+            cr_slot: CrSlot,
             flavor_group: str | None,
             *,
             reservation: str | None = None,
@@ -183,7 +183,7 @@ class Recorder:
             conflicts: int = 0,
         ) -> Outcome:
             return Outcome(
-                kind="placement",
+                kind=OutcomeKind.PLACEMENT,
                 cr_slot=cr_slot,
                 intent=intent,
                 instance_uuid=instance_uuid,
@@ -200,29 +200,29 @@ class Recorder:
         # The controller checks the option before it calls the recorder: nothing is read.
         if request.options.skip_committed_resource_tracking:
             log.debug("cr_tracking_skipped")
-            return outcome(CrSlot.SKIPPED.value, None)
+            return outcome(CrSlot.SKIPPED, None)
 
         hosts = [*decision.result.ordered_hosts, target]
 
-        async def classify() -> Outcome | tuple[str, FlavorMatch, Snapshot]:
+        async def classify() -> Outcome | tuple[CrSlot, FlavorMatch, Snapshot]:
             """The placement's class on a fresh snapshot: a final Outcome, or slot_used."""
             snapshot = await self._state.snapshot(hosts, project_id)
             try:
                 match = self._flavor_groups.get(snapshot.knowledge).lookup(flavor_name)
             except FlavorGroupLookupError as exc:
                 log.error("flavor_group_lookup_failed", flavor=flavor_name, error=str(exc))
-                self._count_placement(UNKNOWN_FLAVOR_GROUP, intent, CrSlot.ERROR.value)
-                return outcome(CrSlot.ERROR.value, UNKNOWN_FLAVOR_GROUP)
+                self._count_placement(UNKNOWN_FLAVOR_GROUP, intent, CrSlot.ERROR)
+                return outcome(CrSlot.ERROR, UNKNOWN_FLAVOR_GROUP)
             if match is None:
                 log.debug("payg_placement", flavor=flavor_name)
-                return outcome(CrSlot.PAYG.value, None)
+                return outcome(CrSlot.PAYG, None)
             group = match.group
             active = active_commitments(snapshot.committed_resources, project_id, group)
             cr_slot = classify_placement(
                 snapshot.evaluator, active, decision.result.ordered_hosts, project_id, group
             )
             log.debug("placement_classified", flavor_group=group, cr_slot=cr_slot)
-            if cr_slot != CrSlot.SLOT_USED.value:
+            if cr_slot != CrSlot.SLOT_USED:
                 self._count_placement(group, intent, cr_slot)
                 return outcome(cr_slot, group, vm_memory_bytes=match.vm_memory_bytes)
             return cr_slot, match, snapshot
@@ -384,7 +384,7 @@ class Recorder:
         base = min(self._backoff_s * 2.0 ** min(conflicts - 1, 16), self._backoff_max_s)
         return base * (1.0 + self._jitter * self._random.random())
 
-    def _count_placement(self, flavor_group: str, intent: str, cr_slot: str) -> None:
+    def _count_placement(self, flavor_group: str, intent: str, cr_slot: CrSlot) -> None:
         if self._placement_counter is not None:
             self._placement_counter.labels(
                 flavor_group=flavor_group, intent=intent, cr_slot=cr_slot
@@ -407,9 +407,9 @@ class Recorder:
         input_hosts = request.input_hosts
         log = _log.bind(instance_uuid=instance_uuid, project_id=project_id, intent=intent)
 
-        def outcome(cr_slot: str, flavor_group: str | None, vm_mem: int | None) -> Outcome:
+        def outcome(cr_slot: CrSlot, flavor_group: str | None, vm_mem: int | None) -> Outcome:
             return Outcome(
-                kind="no_host_found",
+                kind=OutcomeKind.NO_HOST_FOUND,
                 cr_slot=cr_slot,
                 intent=intent,
                 instance_uuid=instance_uuid,
@@ -425,11 +425,11 @@ class Recorder:
             match = self._flavor_groups.get(snapshot.knowledge).lookup(flavor_name)
         except FlavorGroupLookupError as exc:
             log.error("flavor_group_lookup_failed", flavor=flavor_name, error=str(exc))
-            self._count_no_host_found(CrSlot.ERROR.value, UNKNOWN_FLAVOR_GROUP, intent)
-            return outcome(CrSlot.ERROR.value, UNKNOWN_FLAVOR_GROUP, None)
+            self._count_no_host_found(CrSlot.ERROR, UNKNOWN_FLAVOR_GROUP, intent)
+            return outcome(CrSlot.ERROR, UNKNOWN_FLAVOR_GROUP, None)
         if match is None:
             log.debug("payg_no_host_found", flavor=flavor_name)
-            return outcome(CrSlot.PAYG.value, None, None)
+            return outcome(CrSlot.PAYG, None, None)
 
         group = match.group
         vm_mem = match.vm_memory_bytes
@@ -441,7 +441,7 @@ class Recorder:
         self._count_no_host_found(cr_slot, group, intent)
         return outcome(cr_slot, group, vm_mem)
 
-    def _count_no_host_found(self, cr_slot: str, flavor_group: str, intent: str) -> None:
+    def _count_no_host_found(self, cr_slot: CrSlot, flavor_group: str, intent: str) -> None:
         if self._no_host_found_counter is not None:
             self._no_host_found_counter.labels(
                 cr_slot=cr_slot, flavor_group=flavor_group, intent=intent

@@ -42,10 +42,12 @@ from service.model.nova import (
     NovaRequestContext,
     NovaSpec,
 )
+from service.model.vocabulary import AllocationStatus, CrSlot, OutcomeKind
 
 __all__ = [
     "LABEL_RESERVATION_TYPE",
     "RESERVATION_TYPE_COMMITTED_RESOURCE",
+    "AllocationStatus",
     "ClassificationData",
     "CommittedResource",
     "CommittedResourceAllocation",
@@ -54,6 +56,7 @@ __all__ = [
     "CommittedResourceSpec",
     "CommittedResourceStatus",
     "Condition",
+    "CrSlot",
     "Decision",
     "DecisionResult",
     "DecodeError",
@@ -74,6 +77,7 @@ __all__ = [
     "NovaSpec",
     "ObjectMeta",
     "OutcomeData",
+    "OutcomeKind",
     "OutputEvent",
     "Reservation",
     "ReservationSpec",

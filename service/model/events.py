@@ -3,7 +3,9 @@
 Both are CloudEvents 1.0 (structured mode on the wire, see :mod:`service.stream.codec` for
 binary mode). The types are the single source of truth: the decoder validates against them
 and ``schemas/*.schema.json`` are generated from them (:mod:`service.model.schemagen`), so
-values the contract fixes are ``Literal`` types and show up as ``enum`` in the schemas.
+values the contract fixes are ``Literal`` types or, for the classification's vocabularies,
+the enums of :mod:`service.model.vocabulary` that the domain outcome uses too; both show
+up as ``enum`` in the schemas.
 Class docstrings and ``Meta`` descriptions end up in those schemas, so they are written for
 whoever consumes the topics, not for readers of this code.
 """
@@ -11,23 +13,21 @@ whoever consumes the topics, not for readers of this code.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Final, Literal, get_args
+from typing import Annotated, Literal
 
 import msgspec
 
 from service.model.nova import Decision, ExternalSchedulerRequest
+from service.model.vocabulary import AllocationStatus, CrSlot, OutcomeKind
 
 __all__ = [
-    "ALLOCATION_STATUSES",
-    "CR_SLOTS",
-    "KINDS",
-    "Allocation",
+    "AllocationStatus",
     "ClassificationData",
     "CrSlot",
     "InputEvent",
     "InputRef",
-    "Kind",
     "OutcomeData",
+    "OutcomeKind",
     "OutputEvent",
 ]
 
@@ -36,25 +36,6 @@ InputEventType = Literal["cortex.nova.scheduling_outcome.v1"]
 OutputEventType = Literal["cortex.crs.classification.v1"]
 OutputSource = Literal["crs-consumer"]
 OutputContentType = Literal["application/json"]
-
-Kind = Literal["placement", "no_host_found"]
-CrSlot = Literal[
-    "no_cr",
-    "slot_used",
-    "slot_missed",
-    "cr_exhausted",
-    "slot_exhausted",
-    "slot_blocked",
-    "error",
-    "payg",
-    "skipped",
-]
-Allocation = Literal["written", "already_present", "no_slot", "not_applicable", "failed"]
-
-# For the encoder's cheap "is this on-contract?" check (a Literal is not checked on encode).
-CR_SLOTS: Final[frozenset[str]] = frozenset(get_args(CrSlot))
-ALLOCATION_STATUSES: Final[frozenset[str]] = frozenset(get_args(Allocation))
-KINDS: Final[frozenset[str]] = frozenset(get_args(Kind))
 
 # RFC 3339 requires an offset; a naive timestamp is ambiguous and rejected.
 Timestamp = Annotated[datetime, msgspec.Meta(tz=True, description="RFC 3339 timestamp")]
@@ -115,7 +96,7 @@ class ClassificationData(msgspec.Struct, kw_only=True, frozen=True):
     """
 
     input: InputRef
-    kind: Kind
+    kind: OutcomeKind
     cr_slot: CrSlot
     instance_uuid: Uuid
     project_id: str
@@ -127,7 +108,7 @@ class ClassificationData(msgspec.Struct, kw_only=True, frozen=True):
         str | None,
         msgspec.Meta(description="The Reservation slot written or already holding the VM"),
     ]
-    allocation: Allocation
+    allocation: AllocationStatus
     vm_memory_bytes: Annotated[int | None, msgspec.Meta(description="null when unknown")]
 
 

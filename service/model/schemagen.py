@@ -59,9 +59,33 @@ def _clean_descriptions(node: Any) -> Any:
     return node
 
 
+def _inline_enums(schema: dict[str, Any]) -> dict[str, Any]:
+    # msgspec puts an Enum in its own $defs entry (titled with the Python class name) behind
+    # a $ref. The contract carries its closed value sets inline as a bare "enum", as it did
+    # when they were Literal types: the Python class names are not the consumers' business,
+    # and a value set must read the same whichever way the code spells it.
+    defs: dict[str, Any] = schema.get("$defs", {})
+    enums = {f"#/$defs/{name}": d["enum"] for name, d in defs.items() if "enum" in d}
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if ref in enums:
+                return {**{k: v for k, v in node.items() if k != "$ref"}, "enum": enums[ref]}
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    out: dict[str, Any] = inline(schema)
+    if "$defs" in out:
+        out["$defs"] = {name: d for name, d in out["$defs"].items() if "enum" not in d}
+    return out
+
+
 def render(root: type[msgspec.Struct], title: str) -> str:
     """The schema document for ``root`` as deterministic JSON text."""
-    schema = _clean_descriptions(msgspec.json.schema(root))
+    schema = _clean_descriptions(_inline_enums(msgspec.json.schema(root)))
     schema["$schema"] = JSON_SCHEMA_DIALECT
     schema["title"] = title
     return json.dumps(schema, indent=2, sort_keys=True, ensure_ascii=False) + "\n"

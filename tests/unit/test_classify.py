@@ -245,10 +245,14 @@ def test_classify_no_host_found(
     assert classify_no_host_found(crs, ev, hosts, P, G, VM) == expected
 
 
-def test_classifier_results_are_plain_strings() -> None:
+def test_classifier_results_are_members_that_read_as_plain_strings() -> None:
+    # The classifiers return the enum the wire event carries; being a StrEnum it is still
+    # the plain label string wherever one is expected (counter labels, logs, comparisons).
     result = classify_placement(evaluator(), [], [], P, G)
-    assert type(result) is str
-    assert result == CrSlot.NO_CR
+    assert result is CrSlot.NO_CR
+    assert isinstance(result, str)
+    assert (str(result), f"{result}", result) == ("no_cr", "no_cr", "no_cr")
+    assert classify_no_host_found([], evaluator(), [], P, G, VM) is CrSlot.NO_CR
 
 
 def test_cr_slot_values() -> None:
