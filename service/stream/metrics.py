@@ -28,6 +28,7 @@ from prometheus_client import (
 
 from service.crs import new_no_host_found_counter, new_placement_counter
 from service.crs.outcome import AllocationStatus
+from service.model import CrSlot, OutcomeKind
 from service.stream.codec import OUTPUT_REJECTED, POISON_CODES
 from service.stream.deferred import DeferredCounter
 
@@ -53,13 +54,28 @@ DEAD_LETTER_CODES = (
 )
 COMMIT_FAILURE_REASONS = ("transient", "record_too_large", "authorization", "fenced")
 DEPENDENCIES = ("kafka", "kubernetes")
-EVENT_SERIES = (
-    *(("placement", s) for s in ("no_cr", "slot_used", "slot_missed", "error", "payg", "skipped")),
-    *(
-        ("no_host_found", s)
-        for s in ("no_cr", "cr_exhausted", "slot_blocked", "slot_exhausted", "error", "payg")
-    ),
-    ("no_host_found", "skipped"),
+# The kinds and cr_slots that can occur together (a no-host-found outcome is never
+# slot_used/slot_missed; a placement never cr_exhausted/slot_exhausted/slot_blocked).
+_PLACEMENT_SLOTS = (
+    CrSlot.NO_CR,
+    CrSlot.SLOT_USED,
+    CrSlot.SLOT_MISSED,
+    CrSlot.ERROR,
+    CrSlot.PAYG,
+    CrSlot.SKIPPED,
+)
+_NO_HOST_FOUND_SLOTS = (
+    CrSlot.NO_CR,
+    CrSlot.CR_EXHAUSTED,
+    CrSlot.SLOT_BLOCKED,
+    CrSlot.SLOT_EXHAUSTED,
+    CrSlot.ERROR,
+    CrSlot.PAYG,
+    CrSlot.SKIPPED,
+)
+EVENT_SERIES: tuple[tuple[OutcomeKind, CrSlot], ...] = (
+    *((OutcomeKind.PLACEMENT, s) for s in _PLACEMENT_SLOTS),
+    *((OutcomeKind.NO_HOST_FOUND, s) for s in _NO_HOST_FOUND_SLOTS),
 )
 
 

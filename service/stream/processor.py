@@ -440,7 +440,7 @@ class Processor:
             flavor_group=outcome.flavor_group,
             intent=outcome.intent,
             reservation=outcome.reservation,
-            allocation=str(outcome.allocation),
+            allocation=outcome.allocation,
         )
         return OutRecord(
             topic=self._output_topic,
@@ -451,7 +451,7 @@ class Processor:
 
     def _count(self, outcome: Outcome) -> None:
         self._metrics.events.labels(outcome.kind, outcome.cr_slot).inc()
-        self._metrics.allocations.labels(str(outcome.allocation)).inc()
+        self._metrics.allocations.labels(outcome.allocation).inc()
         if outcome.conflicts:
             self._metrics.conflicts.inc(outcome.conflicts)
 
