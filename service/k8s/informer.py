@@ -41,6 +41,7 @@ import msgspec
 import structlog
 from kubernetes_asyncio import client as k8s_client
 
+from service import backoff
 from service.crs.ports import ApiError, UnavailableError
 from service.k8s.client import DEFAULT_PAGE_SIZE, KubeClient, ResourceKind
 from service.k8s.errors import error_for_status, map_exception
@@ -355,9 +356,9 @@ class Informer(Generic[T]):
     # --- the loop -------------------------------------------------------------------
 
     def _backoff(self, attempt: int) -> float:
-        """Capped exponential with "equal jitter": half fixed, half random."""
-        delay = min(self._backoff_max_s, self._backoff_base_s * (2.0 ** min(attempt, 30)))
-        return delay / 2 + self._random.uniform(0.0, delay / 2)
+        """Capped exponential with "equal jitter"; ``attempt`` counts from 0 here."""
+        delay = backoff.exponential(attempt + 1, self._backoff_base_s, self._backoff_max_s)
+        return backoff.equal_jitter(delay, self._random)
 
     async def _run(self) -> None:
         attempt = 0
