@@ -13,9 +13,10 @@ and fails only with the :mod:`service.crs.ports` error types.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final, Generic, TypeVar
@@ -25,7 +26,7 @@ import structlog
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 
-from service.crs.ports import NotFoundError, UnavailableError
+from service.crs.ports import ApiError, NotFoundError, UnavailableError
 from service.k8s.errors import error_for_status, map_exception
 from service.k8s.metrics import K8sMetrics
 from service.model import (
@@ -124,6 +125,34 @@ def _list_type(item_type: type[T]) -> type[_ObjectList[T]]:
         lt = _LIST_TYPES[item_type] = _ObjectList.__class_getitem__(item_type)  # type: ignore[attr-defined]
     result: type[_ObjectList[T]] = lt
     return result
+
+
+class _Call:
+    """What the metric of one request records: its HTTP status, ``"error"`` if none came."""
+
+    __slots__ = ("code",)
+
+    def __init__(self) -> None:
+        self.code: int | str = "error"
+
+
+@contextlib.contextmanager
+def mapped_errors(kind: ResourceKind, what: str) -> Iterator[None]:
+    """Re-raise what the transport raises as the :class:`ApiError` it means.
+
+    The one place that does: requests, the opening of a watch and the reading of its
+    stream all go through here. Exceptions that are not transport failures (a bug)
+    pass unchanged.
+    """
+    try:
+        yield
+    except ApiError:
+        raise
+    except Exception as exc:
+        mapped = map_exception(exc, kind=kind.plural, what=what)
+        if mapped is None:
+            raise
+        raise mapped from exc
 
 
 def _status_message(body: bytes) -> str:
@@ -389,38 +418,44 @@ class KubeClient:
     ) -> bytes:
         """Run one API call with a deadline; return the 2xx body or raise an ApiError."""
         what = f"{verb} {kind.plural}/{name}" if name else f"{verb} {kind.plural}"
-        started = time.monotonic()
-        code: int | str = "error"
-        try:
-            try:
-                # aiohttp's own total timeout covers connect + headers + body; the outer
-                # deadline also bounds auth-hook and DNS work done before the request.
-                async with asyncio.timeout(self._timeout):
-                    resp = await fn(
-                        *args,
-                        _preload_content=False,
-                        _request_timeout=self._timeout,
-                        **kwargs,
-                    )
-                    try:
-                        body: bytes = await resp.read()
-                    finally:
-                        resp.release()
-                    status = int(resp.status)
-            except Exception as exc:
-                mapped = map_exception(exc, kind=kind.plural, what=what)
-                if mapped is None:
-                    raise
-                if mapped.status:
-                    code = mapped.status
-                raise mapped from exc
-            code = status
-        finally:
-            if self._metrics is not None:
-                self._metrics.observe(verb, kind.plural, code, time.monotonic() - started)
+        with self._call(verb, kind, what) as call:
+            # aiohttp's own total timeout covers connect + headers + body; the outer
+            # deadline also bounds auth-hook and DNS work done before the request.
+            async with asyncio.timeout(self._timeout):
+                resp = await fn(
+                    *args,
+                    _preload_content=False,
+                    _request_timeout=self._timeout,
+                    **kwargs,
+                )
+                try:
+                    body: bytes = await resp.read()
+                finally:
+                    resp.release()
+                call.code = status = int(resp.status)
         if not 200 <= status < 300:
             raise error_for_status(status, f"{what}: {_status_message(body)}", kind=kind.plural)
         return body
+
+    @contextlib.contextmanager
+    def _call(self, verb: str, kind: ResourceKind, what: str) -> Iterator[_Call]:
+        """One request's bookkeeping: errors mapped, and counted once however it ends.
+
+        The body sets ``call.code`` to the HTTP status once it has one; a request that
+        fails before that is counted with the status of its error, else as ``"error"``.
+        """
+        call = _Call()
+        started = time.monotonic()
+        try:
+            with mapped_errors(kind, what):
+                yield call
+        except ApiError as exc:
+            if call.code == "error" and exc.status:
+                call.code = exc.status
+            raise
+        finally:
+            if self._metrics is not None:
+                self._metrics.observe(verb, kind.plural, call.code, time.monotonic() - started)
 
     def _decode_one(self, raw: bytes, type_: type[T], kind: ResourceKind, name: str) -> T:
         try:
