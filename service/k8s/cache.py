@@ -59,7 +59,7 @@ from service.k8s.client import (
     RESERVATIONS,
     KubeClient,
 )
-from service.k8s.informer import Informer, InformerOptions
+from service.k8s.informer import Informer, InformerOptions, ListWatch
 from service.model import (
     LABEL_RESERVATION_TYPE,
     RESERVATION_TYPE_COMMITTED_RESOURCE,
@@ -95,7 +95,9 @@ class WatchClusterState(ClusterState):
     waits for the initial sync; ``stale_after_s`` is how long a watch may be down (while
     it reconnects) before requests fail and :meth:`ready` reports it;
     ``silence_bound_s`` is how long a watch may deliver nothing at all (no event, no
-    bookmark, no renewal) before :meth:`ready` reports it.
+    bookmark, no renewal) before :meth:`ready` reports it. The informers list and watch
+    through ``transport`` (default: ``client``); fresh reads and writes always go
+    through ``client``.
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class WatchClusterState(ClusterState):
         silence_bound_s: float = _DEFAULT_STALE_AFTER_S,
         backoff_base_s: float = 0.5,
         backoff_max_s: float = 30.0,
+        transport: ListWatch | None = None,
     ) -> None:
         self._client = client
         self._page_size = page_size
@@ -139,11 +142,12 @@ class WatchClusterState(ClusterState):
             backoff_base_s=backoff_base_s,
             backoff_max_s=backoff_max_s,
         )
+        source = transport if transport is not None else client
         self.hypervisors: Informer[Hypervisor] = Informer(
-            client, HYPERVISORS, Hypervisor, on_change=self._on_hypervisor, options=opts
+            source, HYPERVISORS, Hypervisor, on_change=self._on_hypervisor, options=opts
         )
         self.reservations: Informer[Reservation] = Informer(
-            client,
+            source,
             RESERVATIONS,
             Reservation,
             on_change=self._on_reservation,
@@ -152,7 +156,7 @@ class WatchClusterState(ClusterState):
             options=opts,
         )
         self.committed_resources: Informer[CommittedResource] = Informer(
-            client,
+            source,
             COMMITTED_RESOURCES,
             CommittedResource,
             on_change=self._on_committed_resource,
@@ -161,7 +165,7 @@ class WatchClusterState(ClusterState):
         # Knowledges are few; listing them all and keeping one is simpler than a
         # field-selected watch the client's LIST cannot mirror.
         self.knowledges: Informer[Knowledge] = Informer(
-            client,
+            source,
             KNOWLEDGES,
             Knowledge,
             on_change=self._on_knowledge,
