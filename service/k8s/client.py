@@ -324,7 +324,7 @@ class KubeClient:
 
     @property
     def api_client(self) -> Any:
-        """The underlying kubernetes_asyncio ApiClient (for a watch implementation)."""
+        """The underlying kubernetes_asyncio ApiClient (for tools and tests)."""
         return self._api
 
     @property

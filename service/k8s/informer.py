@@ -367,11 +367,17 @@ class Informer(Generic[T]):
             self._mark_up()
             self._log.debug("watch_started", resource_version=self._rv, timeout_s=server_timeout)
             loop = asyncio.get_running_loop()
-            deadline = asyncio.timeout(idle)
+            # The deadline moves only once it is nearer than ``idle``: a stream is
+            # presumed dead after idle to idle + slack of silence, and a burst of events
+            # costs one timer reschedule instead of one each.
+            slack = idle / 64
+            deadline = asyncio.timeout(idle + slack)
             try:
                 async with deadline:
                     async for event in events:
-                        deadline.reschedule(loop.time() + idle)
+                        now = loop.time()
+                        if (deadline.when() or now) - now < idle:
+                            deadline.reschedule(now + idle + slack)
                         self._handle(event)
                         handled += 1
             except TimeoutError as exc:

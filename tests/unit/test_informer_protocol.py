@@ -49,7 +49,7 @@ def bookmark(rv: int) -> WatchEvent[Any]:
     return WatchEvent("BOOKMARK", "", str(rv))
 
 
-HANG = object()  # a step: the stream stays open and silent
+HANG = object()  # a step: the stream stays open and silent; a float: pause that long
 
 
 @dataclass
@@ -102,6 +102,8 @@ class Scripted:
                 await asyncio.Event().wait()
             elif isinstance(step, asyncio.Event):
                 await step.wait()
+            elif isinstance(step, float):
+                await asyncio.sleep(step)  # real time: the idle bound runs on the loop's clock
             elif isinstance(step, Exception):
                 raise step
             else:
@@ -405,6 +407,18 @@ async def test_a_stream_silent_past_the_idle_bound_is_watched_again(make: Make) 
     assert len(run.slept) == 1
     assert 0.5 <= run.slept[0] <= 1.0
     assert inf.events == 1
+
+
+async def test_every_event_moves_the_idle_bound(make: Make) -> None:
+    # Five events 0.06 s apart: 0.3 s of traffic on a 0.1 s idle bound, never 0.1 s quiet.
+    steps: list[object] = []
+    for i in range(5):
+        steps += [0.06, event("ADDED", thing(f"t{i}", 11 + i))]
+    server = Scripted(lists=[ListResult([], "10")], watches=[[*steps, HANG]])
+    run = make(server, idle_timeout_s=0.1)
+    await until(lambda: run.informer.events == 5, "the five events")
+    assert server.watch_from == ["10"]
+    assert run.slept == []
 
 
 async def test_silence_then_idle_error_is_reported(make: Make) -> None:
