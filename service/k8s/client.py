@@ -7,7 +7,11 @@ Python dicts for 50,000 Reservations and then converting them would cost several
 the decode itself.
 
 Every request carries a timeout, is counted in :class:`~service.k8s.metrics.K8sMetrics`,
-and fails only with the :mod:`service.crs.ports` error types.
+and fails only with the :mod:`service.crs.ports` error types; both happen in one place
+(:meth:`KubeClient._call` and :func:`mapped_errors`). A WATCH is the same kind of request
+whose body is a stream: :meth:`KubeClient.watch` returns it as an async context manager
+that yields typed :class:`WatchEvent` s. What to do with them (resourceVersions,
+bookmarks, relists, re-watches) is :mod:`service.k8s.informer`'s business.
 """
 
 from __future__ import annotations
