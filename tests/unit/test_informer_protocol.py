@@ -410,13 +410,14 @@ async def test_a_stream_silent_past_the_idle_bound_is_watched_again(make: Make) 
 
 
 async def test_every_event_moves_the_idle_bound(make: Make) -> None:
-    # Five events 0.06 s apart: 0.3 s of traffic on a 0.1 s idle bound, never 0.1 s quiet.
+    # Eight events 0.05 s apart: 0.4 s of traffic on a 0.25 s idle bound, with room for
+    # a loaded machine's scheduling delays, but never that long quiet.
     steps: list[object] = []
-    for i in range(5):
-        steps += [0.06, event("ADDED", thing(f"t{i}", 11 + i))]
+    for i in range(8):
+        steps += [0.05, event("ADDED", thing(f"t{i}", 11 + i))]
     server = Scripted(lists=[ListResult([], "10")], watches=[[*steps, HANG]])
-    run = make(server, idle_timeout_s=0.1)
-    await until(lambda: run.informer.events == 5, "the five events")
+    run = make(server, idle_timeout_s=0.25)
+    await until(lambda: run.informer.events == 8, "the eight events")
     assert server.watch_from == ["10"]
     assert run.slept == []
 
