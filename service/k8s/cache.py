@@ -1,18 +1,10 @@
 """:class:`~service.crs.ports.ClusterState` in watch mode (``CRS_K8S_READ_MODE=watch``).
 
 List mode reads every Reservation of the cluster for every event. Here four
-:class:`~service.k8s.informer.Informer` s keep the cluster in memory and maintain, on each
-watch event, exactly the indexes a request needs:
-
-* free memory per hypervisor (:func:`~service.crs.evaluator.hv_free_memory`),
-* CR slots per ``spec.targetHost`` (only Reservations passing
-  :func:`~service.crs.evaluator.is_slot`; a move, a not-Ready or a delete moves/removes),
-* CommittedResources per project,
-* the ``flavor-groups`` Knowledge.
-
-A request then costs O(hosts it names) and no API call. Decisions stay identical to list
-mode: the evaluator's answers depend only on the per-host entries, and slots and CRs are
-returned in name order, which is the order a LIST returns them in.
+:class:`~service.k8s.informer.Informer` s keep the cluster in memory and feed each change
+into :class:`~service.k8s.indexes.ClusterIndexes`, which keep exactly what a request
+needs (free memory per hypervisor, CR slots per host, CommittedResources per project, the
+``flavor-groups`` Knowledge). A request then costs O(hosts it names) and no API call.
 
 Consistency and freshness:
 
@@ -47,7 +39,6 @@ from typing import Any, Final
 
 import structlog
 
-from service.crs.evaluator import HostSlots, SlotEvaluator, hv_free_memory, is_slot
 from service.crs.flavors import FLAVOR_GROUPS_KNOWLEDGE_NAME
 from service.crs.ports import ClusterState, Snapshot, UnavailableError
 from service.k8s.client import (
@@ -59,7 +50,8 @@ from service.k8s.client import (
     RESERVATIONS,
     KubeClient,
 )
-from service.k8s.informer import Informer, InformerOptions
+from service.k8s.indexes import ClusterIndexes
+from service.k8s.informer import Informer, InformerOptions, ListWatch
 from service.model import (
     LABEL_RESERVATION_TYPE,
     RESERVATION_TYPE_COMMITTED_RESOURCE,
@@ -95,7 +87,9 @@ class WatchClusterState(ClusterState):
     waits for the initial sync; ``stale_after_s`` is how long a watch may be down (while
     it reconnects) before requests fail and :meth:`ready` reports it;
     ``silence_bound_s`` is how long a watch may deliver nothing at all (no event, no
-    bookmark, no renewal) before :meth:`ready` reports it.
+    bookmark, no renewal) before :meth:`ready` reports it. The informers list and watch
+    through ``transport`` (default: ``client``); fresh reads and writes always go
+    through ``client``.
     """
 
     def __init__(
@@ -113,6 +107,7 @@ class WatchClusterState(ClusterState):
         silence_bound_s: float = _DEFAULT_STALE_AFTER_S,
         backoff_base_s: float = 0.5,
         backoff_max_s: float = 30.0,
+        transport: ListWatch | None = None,
     ) -> None:
         self._client = client
         self._page_size = page_size
@@ -123,14 +118,8 @@ class WatchClusterState(ClusterState):
         self._silence_bound_s = silence_bound_s
         self._started = False
 
-        # The indexes. Inner dicts are keyed by object name so an update replaces in O(1).
-        self._hv_free: dict[str, int] = {}
-        self._slots_by_host: dict[str, dict[str, Reservation]] = {}
-        # The same slots summarised once per change (immutable, replaced per host), so a
-        # request's queries never walk Reservation objects (see service.crs.evaluator).
-        self._host_slots: dict[str, HostSlots] = {}
-        self._crs_by_project: dict[str, dict[str, CommittedResource]] = {}
-        self._knowledge: Knowledge | None = None
+        self._indexes = ClusterIndexes()
+        indexes = self._indexes
 
         opts = InformerOptions(
             page_size=page_size,
@@ -139,32 +128,33 @@ class WatchClusterState(ClusterState):
             backoff_base_s=backoff_base_s,
             backoff_max_s=backoff_max_s,
         )
+        source = transport if transport is not None else client
         self.hypervisors: Informer[Hypervisor] = Informer(
-            client, HYPERVISORS, Hypervisor, on_change=self._on_hypervisor, options=opts
+            source, HYPERVISORS, Hypervisor, on_change=indexes.on_hypervisor, options=opts
         )
         self.reservations: Informer[Reservation] = Informer(
-            client,
+            source,
             RESERVATIONS,
             Reservation,
-            on_change=self._on_reservation,
+            on_change=indexes.on_reservation,
             label_selector=CR_RESERVATION_SELECTOR,
             keep=_is_cr_reservation,
             options=opts,
         )
         self.committed_resources: Informer[CommittedResource] = Informer(
-            client,
+            source,
             COMMITTED_RESOURCES,
             CommittedResource,
-            on_change=self._on_committed_resource,
+            on_change=indexes.on_committed_resource,
             options=opts,
         )
         # Knowledges are few; listing them all and keeping one is simpler than a
         # field-selected watch the client's LIST cannot mirror.
         self.knowledges: Informer[Knowledge] = Informer(
-            client,
+            source,
             KNOWLEDGES,
             Knowledge,
-            on_change=self._on_knowledge,
+            on_change=indexes.on_knowledge,
             keep=_is_flavor_groups,
             options=opts,
         )
@@ -237,50 +227,6 @@ class WatchClusterState(ClusterState):
                 problems.append(f"{name}: watch down for {down:.0f}s ({informer.last_error})")
         return problems
 
-    # --- index maintenance (called synchronously by the informers) -------------------
-
-    def _on_hypervisor(self, old: Hypervisor | None, new: Hypervisor | None) -> None:
-        if new is None:
-            if old is not None:
-                self._hv_free.pop(old.metadata.name or "", None)
-            return
-        self._hv_free[new.metadata.name or ""] = hv_free_memory(new)
-
-    def _on_reservation(self, old: Reservation | None, new: Reservation | None) -> None:
-        if old is not None:
-            name = old.name
-            host_slots = self._slots_by_host.get(old.spec.target_host)
-            if host_slots is not None and host_slots.pop(name, None) is not None and not host_slots:
-                del self._slots_by_host[old.spec.target_host]
-        if new is not None and is_slot(new):
-            self._slots_by_host.setdefault(new.spec.target_host, {})[new.name] = new
-        if old is not None:
-            self._summarise(old.spec.target_host)
-        if new is not None and (old is None or old.spec.target_host != new.spec.target_host):
-            self._summarise(new.spec.target_host)
-
-    def _summarise(self, host: str) -> None:
-        """Re-summarise one host's slots, in name order (O(slots on the host))."""
-        slots = self._slots_by_host.get(host)
-        if slots:
-            self._host_slots[host] = HostSlots.from_reservations(slots[n] for n in sorted(slots))
-        else:
-            self._host_slots.pop(host, None)
-
-    def _on_committed_resource(
-        self, old: CommittedResource | None, new: CommittedResource | None
-    ) -> None:
-        if old is not None:
-            project = self._crs_by_project.get(old.spec.project_id)
-            name = old.metadata.name or ""
-            if project is not None and project.pop(name, None) is not None and not project:
-                del self._crs_by_project[old.spec.project_id]
-        if new is not None:
-            self._crs_by_project.setdefault(new.spec.project_id, {})[new.metadata.name or ""] = new
-
-    def _on_knowledge(self, old: Knowledge | None, new: Knowledge | None) -> None:
-        self._knowledge = new
-
     # --- ClusterState ---------------------------------------------------------------
 
     async def snapshot(self, hosts: Collection[str], project_id: str) -> Snapshot:
@@ -295,25 +241,8 @@ class WatchClusterState(ClusterState):
         problems = self._problems()
         if problems:
             raise UnavailableError("watch cache stale: " + "; ".join(problems))
-        # --- from here on no await: one consistent view of the cluster ---
-        free = self._hv_free
-        summarised = self._host_slots
-        hv: dict[str, int] = {}
-        by_host: dict[str, HostSlots] = {}
-        for host in hosts:
-            value = free.get(host)
-            if value is not None:
-                hv[host] = value
-            host_slots = summarised.get(host)
-            if host_slots is not None:
-                by_host[host] = host_slots  # immutable: a copy of the reference suffices
-        project = self._crs_by_project.get(project_id)
-        crs = [project[n] for n in sorted(project)] if project else []
-        return Snapshot(
-            evaluator=SlotEvaluator(hv, by_host),
-            committed_resources=crs,
-            knowledge=self._knowledge,
-        )
+        # No await from here on: one consistent view of the cluster.
+        return self._indexes.snapshot(hosts, project_id)
 
     async def _wait_for_sync(self) -> None:
         if await self.wait_synced(self._sync_timeout_s):

@@ -7,26 +7,32 @@ Python dicts for 50,000 Reservations and then converting them would cost several
 the decode itself.
 
 Every request carries a timeout, is counted in :class:`~service.k8s.metrics.K8sMetrics`,
-and fails only with the :mod:`service.crs.ports` error types.
+and fails only with the :mod:`service.crs.ports` error types; both happen in one place
+(:meth:`KubeClient._call` and :func:`mapped_errors`). A WATCH is the same kind of request
+whose body is a stream: :meth:`KubeClient.watch` returns it as an async context manager
+that yields typed :class:`WatchEvent` s. What to do with them (resourceVersions,
+bookmarks, relists, re-watches) is :mod:`service.k8s.informer`'s business.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Final, Generic, TypeVar
+from typing import Any, Final, Generic, Literal, Protocol, TypeVar
 
+import aiohttp
 import msgspec
 import structlog
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 
-from service.crs.ports import NotFoundError, UnavailableError
-from service.k8s.errors import error_for_status, map_exception
+from service.crs.ports import ApiError, NotFoundError, UnavailableError
+from service.k8s.errors import ResourceExpiredError, error_for_status, map_exception
 from service.k8s.metrics import K8sMetrics
 from service.model import (
     LABEL_RESERVATION_TYPE,
@@ -35,6 +41,7 @@ from service.model import (
     DecodeError,
     Hypervisor,
     Knowledge,
+    ObjectMeta,
     Reservation,
     from_k8s,
 )
@@ -46,12 +53,26 @@ __all__ = [
     "KNOWLEDGES",
     "RESERVATIONS",
     "RESOURCE_KINDS",
+    "K8sObject",
     "KubeClient",
     "ListResult",
     "ResourceKind",
+    "WatchEvent",
+    "WatchStream",
+    "mapped_errors",
 ]
 
 T = TypeVar("T")
+
+
+class K8sObject(Protocol):
+    """What the watch needs of a decoded object: its metadata (name, resourceVersion)."""
+
+    @property
+    def metadata(self) -> ObjectMeta: ...
+
+
+Obj = TypeVar("Obj", bound=K8sObject)
 
 _log = structlog.get_logger(__name__)
 
@@ -100,10 +121,53 @@ class _ObjectList(msgspec.Struct, Generic[T], frozen=True):
 
 
 class _Status(msgspec.Struct, frozen=True):
-    """The ``Status`` body of an error response; only the message is used (for logs)."""
+    """The ``Status`` body of an error response or of a watch ERROR event."""
 
+    code: int = 0
     message: str = ""
     reason: str = ""
+
+
+class _Meta(msgspec.Struct, frozen=True):
+    name: str = ""
+    resourceVersion: str = ""  # the wire name: camelCase
+
+
+class _MetaOnly(msgspec.Struct, frozen=True):
+    metadata: _Meta = msgspec.field(default_factory=_Meta)
+
+
+class _Event(msgspec.Struct, frozen=True):
+    """One watch line; ``object`` stays raw until the type says how to decode it."""
+
+    type: str = ""
+    object: msgspec.Raw = msgspec.Raw(b"null")
+
+
+_EVENT_DECODER: Final = msgspec.json.Decoder(_Event)
+_STATUS_DECODER: Final = msgspec.json.Decoder(_Status)
+_META_DECODER: Final = msgspec.json.Decoder(_MetaOnly)
+
+EventType = Literal["ADDED", "MODIFIED", "DELETED", "BOOKMARK"]
+_OBJECT_EVENTS: Final[Mapping[str, EventType]] = MappingProxyType(
+    {"ADDED": "ADDED", "MODIFIED": "MODIFIED", "DELETED": "DELETED"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent(Generic[T]):
+    """One change a watch delivered.
+
+    ``object`` is None for a BOOKMARK (only ``resource_version`` counts there) and for
+    an object that does not decode into the model: the client's rule for those, in a
+    LIST and a watch alike, is that the object counts as absent. ``name`` and
+    ``resource_version`` are always the object's own.
+    """
+
+    type: EventType
+    name: str
+    resource_version: str
+    object: T | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,13 +190,55 @@ def _list_type(item_type: type[T]) -> type[_ObjectList[T]]:
     return result
 
 
-def _status_message(body: bytes) -> str:
-    """The API server's own explanation, bounded: never echo whole response bodies."""
+class _Call:
+    """What the metric of one request records: its HTTP status, ``"error"`` if none came."""
+
+    __slots__ = ("code",)
+
+    def __init__(self) -> None:
+        self.code: int | str = "error"
+
+
+@contextlib.contextmanager
+def mapped_errors(kind: ResourceKind, what: str) -> Iterator[None]:
+    """Re-raise what the transport raises as the :class:`ApiError` it means.
+
+    The one place that does: requests, the opening of a watch and the reading of its
+    stream all go through here. Exceptions that are not transport failures (a bug)
+    pass unchanged.
+    """
     try:
-        status = msgspec.json.decode(body, type=_Status)
+        yield
+    except ApiError:
+        raise
+    except Exception as exc:
+        mapped = map_exception(exc, kind=kind.plural, what=what)
+        if mapped is None:
+            raise
+        raise mapped from exc
+
+
+def _status_of(raw: bytes | memoryview) -> _Status:
+    try:
+        return _STATUS_DECODER.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError):
-        return ""
+        return _Status()
+
+
+def _meta_of(raw: bytes | memoryview) -> _Meta:
+    try:
+        return _META_DECODER.decode(raw).metadata
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return _Meta()
+
+
+def _explanation(status: _Status) -> str:
+    """The API server's own explanation, bounded: never echo whole response bodies."""
     return (status.message or status.reason)[:_STATUS_MESSAGE_LIMIT]
+
+
+def _status_message(body: bytes) -> str:
+    return _explanation(_status_of(body))
 
 
 class KubeClient:
@@ -222,7 +328,7 @@ class KubeClient:
 
     @property
     def api_client(self) -> Any:
-        """The underlying kubernetes_asyncio ApiClient (for a watch implementation)."""
+        """The underlying kubernetes_asyncio ApiClient (for tools and tests)."""
         return self._api
 
     @property
@@ -363,6 +469,31 @@ class KubeClient:
                 restarts += 1
                 _log.warning("list continue token expired, restarting", kind=kind.plural)
 
+    def watch(
+        self,
+        kind: ResourceKind,
+        type_: type[Obj],
+        *,
+        resource_version: str = "",
+        label_selector: str | None = None,
+        timeout_s: int = 300,
+    ) -> WatchStream[Obj]:
+        """A WATCH of ``kind`` from ``resource_version``, bookmarks on; see WatchStream.
+
+        ``timeout_s`` is the server-side ``timeoutSeconds``: the server ends the stream
+        after it, which is the caller's cue to watch again.
+        """
+        params: dict[str, Any] = {
+            "watch": True,
+            "allow_watch_bookmarks": True,
+            "timeout_seconds": timeout_s,
+        }
+        if resource_version:
+            params["resource_version"] = resource_version
+        if label_selector:
+            params["label_selector"] = label_selector
+        return WatchStream(self, kind, type_, params)
+
     # --- plumbing -------------------------------------------------------------------
 
     async def _list_page(self, kind: ResourceKind, **kwargs: Any) -> bytes:
@@ -389,38 +520,44 @@ class KubeClient:
     ) -> bytes:
         """Run one API call with a deadline; return the 2xx body or raise an ApiError."""
         what = f"{verb} {kind.plural}/{name}" if name else f"{verb} {kind.plural}"
-        started = time.monotonic()
-        code: int | str = "error"
-        try:
-            try:
-                # aiohttp's own total timeout covers connect + headers + body; the outer
-                # deadline also bounds auth-hook and DNS work done before the request.
-                async with asyncio.timeout(self._timeout):
-                    resp = await fn(
-                        *args,
-                        _preload_content=False,
-                        _request_timeout=self._timeout,
-                        **kwargs,
-                    )
-                    try:
-                        body: bytes = await resp.read()
-                    finally:
-                        resp.release()
-                    status = int(resp.status)
-            except Exception as exc:
-                mapped = map_exception(exc, kind=kind.plural, what=what)
-                if mapped is None:
-                    raise
-                if mapped.status:
-                    code = mapped.status
-                raise mapped from exc
-            code = status
-        finally:
-            if self._metrics is not None:
-                self._metrics.observe(verb, kind.plural, code, time.monotonic() - started)
+        with self._call(verb, kind, what) as call:
+            # aiohttp's own total timeout covers connect + headers + body; the outer
+            # deadline also bounds auth-hook and DNS work done before the request.
+            async with asyncio.timeout(self._timeout):
+                resp = await fn(
+                    *args,
+                    _preload_content=False,
+                    _request_timeout=self._timeout,
+                    **kwargs,
+                )
+                try:
+                    body: bytes = await resp.read()
+                finally:
+                    resp.release()
+                call.code = status = int(resp.status)
         if not 200 <= status < 300:
             raise error_for_status(status, f"{what}: {_status_message(body)}", kind=kind.plural)
         return body
+
+    @contextlib.contextmanager
+    def _call(self, verb: str, kind: ResourceKind, what: str) -> Iterator[_Call]:
+        """One request's bookkeeping: errors mapped, and counted once however it ends.
+
+        The body sets ``call.code`` to the HTTP status once it has one; a request that
+        fails before that is counted with the status of its error, else as ``"error"``.
+        """
+        call = _Call()
+        started = time.monotonic()
+        try:
+            with mapped_errors(kind, what):
+                yield call
+        except ApiError as exc:
+            if call.code == "error" and exc.status:
+                call.code = exc.status
+            raise
+        finally:
+            if self._metrics is not None:
+                self._metrics.observe(verb, kind.plural, call.code, time.monotonic() - started)
 
     def _decode_one(self, raw: bytes, type_: type[T], kind: ResourceKind, name: str) -> T:
         try:
@@ -452,23 +589,136 @@ class KubeClient:
                 _log.warning(
                     "skipping undecodable object",
                     kind=kind.plural,
-                    name=_object_name(bytes(item)),
+                    name=_meta_of(bytes(item)).name,
                     path=exc.path,
                     error=str(exc)[:_STATUS_MESSAGE_LIMIT],
                 )
         return _ObjectList(items=good, metadata=rough.metadata)
 
 
-class _NameMeta(msgspec.Struct, frozen=True):
-    name: str = ""
+class WatchStream(Generic[Obj]):
+    """One watch request: ``async with client.watch(...) as events: async for e in events``.
 
+    Entering sends the request and waits for the response headers (within the request
+    timeout); that is when the request is counted, as verb ``watch``: the stream's
+    lifetime is not a request latency and would only blur the duration histogram. An
+    answer other than 200 raises (410 Gone as ResourceExpiredError). The events end when
+    the server ends the stream; an ERROR event (410 again as ResourceExpiredError), a
+    torn line or a broken connection raise an ApiError. Leaving closes the connection.
 
-class _NameOnly(msgspec.Struct, frozen=True):
-    metadata: _NameMeta = msgspec.field(default_factory=_NameMeta)
+    There is no read deadline: a healthy stream may stay quiet between bookmarks, and how
+    long is too long is the caller's call.
+    """
 
+    def __init__(
+        self, client: KubeClient, kind: ResourceKind, type_: type[Obj], params: dict[str, Any]
+    ) -> None:
+        self._client = client
+        self._kind = kind
+        self._type = type_
+        self._params = params
+        self._what = f"watch {kind.plural}"
+        self._resp: Any = None
+        self._events: AsyncGenerator[WatchEvent[Obj], None] | None = None
 
-def _object_name(raw: bytes) -> str:
-    try:
-        return msgspec.json.decode(raw, type=_NameOnly).metadata.name
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return ""
+    async def __aenter__(self) -> AsyncIterator[WatchEvent[Obj]]:
+        client, kind, what = self._client, self._kind, self._what
+        request_timeout = client.request_timeout_s
+        # No total deadline (the stream is long-lived) and no read deadline (see above).
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=request_timeout, sock_connect=request_timeout
+        )
+        with client._call("watch", kind, what) as call:
+            async with asyncio.timeout(request_timeout):
+                resp = await client._co.list_cluster_custom_object(
+                    kind.group,
+                    kind.version,
+                    kind.plural,
+                    _preload_content=False,
+                    _request_timeout=timeout,
+                    **self._params,
+                )
+            call.code = code = int(resp.status)
+        if code != 200:
+            body = b""
+            try:
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(request_timeout):
+                        body = await resp.read()
+            finally:
+                resp.close()
+            message = f"{what}: {_status_message(body)}"
+            if code == 410:
+                raise ResourceExpiredError(message, status=410, kind=kind.plural)
+            raise error_for_status(code, message, kind=kind.plural)
+        self._resp = resp
+        self._events = events = self._read(resp)
+        return events
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        events, self._events = self._events, None
+        resp, self._resp = self._resp, None
+        try:
+            if events is not None:
+                await events.aclose()
+        finally:
+            if resp is not None:
+                resp.close()
+
+    async def _read(self, resp: Any) -> AsyncGenerator[WatchEvent[Obj], None]:
+        """Split the chunked body into lines and decode each as it completes."""
+        buf = bytearray()
+        with mapped_errors(self._kind, self._what):
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+                end = buf.rfind(b"\n")
+                if end < 0:
+                    continue
+                block = bytes(buf[:end])
+                del buf[: end + 1]
+                # Every complete line of a chunk is handed over before the next read
+                # awaits, so a burst of events reaches the caller as one step.
+                for line in block.split(b"\n"):
+                    if line.strip() and (event := self._decode(line)) is not None:
+                        yield event
+            if buf.strip() and (event := self._decode(bytes(buf))) is not None:
+                yield event
+
+    def _decode(self, line: bytes) -> WatchEvent[Obj] | None:
+        plural = self._kind.plural
+        try:
+            event = _EVENT_DECODER.decode(line)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            # A torn stream: watching again from the last good resourceVersion repairs it.
+            raise UnavailableError(f"{self._what}: undecodable line: {exc}", kind=plural) from exc
+        etype = event.type
+        raw = memoryview(event.object)
+        if etype == "BOOKMARK":
+            return WatchEvent("BOOKMARK", "", _meta_of(raw).resourceVersion)
+        if etype == "ERROR":
+            status = _status_of(raw)
+            message = f"{self._what}: {_explanation(status)}"
+            if status.code == 410 or status.reason in ("Expired", "Gone"):
+                raise ResourceExpiredError(message, status=410, kind=plural)
+            raise error_for_status(status.code or 500, message, kind=plural)
+        etype_ = _OBJECT_EVENTS.get(etype)
+        if etype_ is None:
+            _log.debug("watch_event_ignored", kind=plural, type=etype[:_STATUS_MESSAGE_LIMIT])
+            return None
+        try:
+            obj = from_k8s(raw, self._type)
+        except DecodeError as exc:
+            # Same rule as a LIST (which skips undecodable items): the object counts as
+            # absent rather than being kept at a stale version.
+            meta = _meta_of(raw)
+            _log.warning(
+                "skipping_undecodable_object",
+                kind=plural,
+                name=meta.name,
+                resource_version=meta.resourceVersion,
+                path=exc.path,
+                error=str(exc)[:_STATUS_MESSAGE_LIMIT],
+            )
+            return WatchEvent(etype_, meta.name, meta.resourceVersion)
+        meta_ = obj.metadata
+        return WatchEvent(etype_, meta_.name or "", meta_.resource_version or "", obj)

@@ -21,7 +21,11 @@ from service.crs.ports import (
     UnavailableError,
 )
 
-__all__ = ["error_for_status", "map_exception"]
+__all__ = ["ResourceExpiredError", "error_for_status", "map_exception"]
+
+
+class ResourceExpiredError(UnavailableError):
+    """HTTP 410 on a watch: the resourceVersion is too old, only a new LIST helps."""
 
 
 def error_for_status(status: int, message: str, *, kind: str = "") -> ApiError:

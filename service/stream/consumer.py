@@ -61,6 +61,7 @@ from aiokafka.errors import (
 )
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
+from service import backoff
 from service.stream import deferred
 from service.stream.codec import INTERNAL_ERROR, OUTPUT_REJECTED, InputRef, clip, decode_input
 from service.stream.ledger import CommitPlan, Ledger
@@ -784,7 +785,7 @@ class StreamService:
 
     def _backoff(self, attempt: int) -> float:
         """Capped exponential: backoff, 2x, 4x, ... up to the configured maximum."""
-        return min(self._s.retry_backoff_s * 2.0 ** (attempt - 1), self._s.retry_backoff_max_s)
+        return backoff.exponential(attempt, self._s.retry_backoff_s, self._s.retry_backoff_max_s)
 
     def _update_lag(self) -> None:
         # read_committed: the last stable offset is what this consumer can reach.

@@ -33,6 +33,8 @@ from service.k8s import (
     KubeClient,
     ListClusterState,
 )
+from service.k8s.client import WatchEvent
+from service.k8s.errors import ResourceExpiredError
 from service.model import CommittedResource, Reservation
 from tests import factories as f
 from tests.conftest import REPO, DevStack
@@ -122,6 +124,75 @@ async def test_undecodable_list_item_is_skipped_not_fatal(kube: tuple[KubeClient
     page = kc._decode_list(body, CommittedResource, COMMITTED_RESOURCES)
     assert [c.metadata.name for c in page.items or ()] == ["good"]
     assert page.metadata.resourceVersion == "7"
+
+
+async def test_watch_streams_typed_events_and_closes_on_exit(
+    kube: tuple[KubeClient, Any], clean_k8s: Any
+) -> None:
+    kc, registry = kube
+    co = client.CustomObjectsApi(clean_k8s)
+    start = (await kc.list_objects(RESERVATIONS, Reservation)).resource_version
+    seen: list[WatchEvent[Reservation]] = []
+    async with kc.watch(RESERVATIONS, Reservation, resource_version=start, timeout_s=30) as events:
+        # Counted once, when the headers arrived; the stream's lifetime is no latency.
+        assert requests(registry, "watch", "reservations", "200") == 1
+        await f.create(clean_k8s, f.reservation("w-1", host="h-1"))
+        await co.patch_cluster_custom_object(
+            *f.RES, "w-1", {"spec": {"targetHost": "h-2"}}, _content_type=MERGE
+        )
+        await co.delete_cluster_custom_object(*f.RES, "w-1")
+        async with asyncio.timeout(15):
+            async for event in events:
+                if event.type != "BOOKMARK":
+                    seen.append(event)
+                if event.type == "DELETED":
+                    break
+    assert [e async for e in events] == []  # leaving the block closed the stream
+    # Creating sets the status too (a second write), so there may be more MODIFIEDs.
+    types = [e.type for e in seen]
+    assert types[0] == "ADDED"
+    assert types[-1] == "DELETED"
+    assert set(types[1:-1]) == {"MODIFIED"}
+    assert {e.name for e in seen} == {"w-1"}
+    objects = [e.object for e in seen]
+    assert all(o is not None for o in objects)
+    last_modified = objects[-2]
+    assert last_modified is not None
+    assert last_modified.spec.target_host == "h-2"
+    assert [e.resource_version for e in seen] == [
+        o.metadata.resource_version for o in objects if o is not None
+    ]
+
+
+async def test_watch_from_an_expired_resource_version_raises_resource_expired(
+    kube: tuple[KubeClient, Any],
+) -> None:
+    kc, _ = kube
+
+    async def watch_from_1() -> None:
+        async with kc.watch(RESERVATIONS, Reservation, resource_version="1", timeout_s=30) as ev:
+            async with asyncio.timeout(15):
+                async for _ in ev:
+                    pass
+
+    with pytest.raises(ResourceExpiredError) as exc:
+        await watch_from_1()
+    assert exc.value.status == 410
+    assert exc.value.kind == "reservations"
+
+
+async def test_undecodable_watch_object_counts_as_absent(kube: tuple[KubeClient, Any]) -> None:
+    # As for a list (see above): the schemas reject such an object, so decode a line
+    # as the server would send it.
+    kc, _ = kube
+    bad = f.committed_resource("bad")
+    bad["spec"]["amount"] = "12 apples"
+    bad["metadata"]["resourceVersion"] = "42"
+    line = json.dumps({"type": "MODIFIED", "object": bad}).encode()
+    stream = kc.watch(COMMITTED_RESOURCES, CommittedResource)
+    assert stream._decode(line) == WatchEvent("MODIFIED", "bad", "42", None)
+    with pytest.raises(UnavailableError, match="undecodable line"):
+        stream._decode(line[:20])
 
 
 async def test_get_missing_is_none_or_not_found(kube: tuple[KubeClient, Any]) -> None:

@@ -6,9 +6,11 @@ assertion is about the test's own hosts and project, and each test deletes what 
 The one shared object is ``Knowledge/flavor-groups`` (a singleton by name); tests that
 need it install the same content the Recorder tests use.
 
-Two tests freeze the reservations watch (its ``_watch`` is swapped for one that blocks
-and the live connection is aborted): only then is it deterministic that a fresh read can
-have come from read-your-writes or a relist, and not from a watch event racing the test.
+The informers list and watch through :class:`Faults`, the real client with two faults
+a test can inject: abort a live watch's TCP connection (a real network failure) and
+freeze a kind's watch (new watches wait until thawed). Some tests freeze the
+reservations watch: only then is it deterministic that a fresh read can have come from
+read-your-writes or a relist, and not from a watch event racing the test.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -33,6 +36,7 @@ from service.crs.ports import Snapshot, UnavailableError
 from service.crs.recorder import Recorder
 from service.k8s import K8sMetrics, KubeClient, ListClusterState
 from service.k8s.cache import WatchClusterState
+from service.k8s.client import K8sObject, ListResult, ResourceKind, WatchEvent, WatchStream
 from service.k8s.informer import Informer, is_newer
 from tests import factories as f
 from tests import nova
@@ -42,6 +46,8 @@ GI = 1024**3
 GROUP = "g1"
 MERGE = "application/merge-patch+json"
 V = TypeVar("V")
+L = TypeVar("L")
+Obj = TypeVar("Obj", bound=K8sObject)
 
 
 def knowledge() -> dict[str, Any]:
@@ -146,31 +152,87 @@ def requests(registry: CollectorRegistry, verb: str, kind: str | None = None) ->
     )
 
 
-class Frozen:
-    """The reservations watch, stopped: no event reaches the cache until ``thaw``."""
+class Faults:
+    """The informers' transport: the real client, plus faults a test injects per kind."""
 
-    def __init__(self, informer: Informer[Any]) -> None:
+    def __init__(self, client: KubeClient) -> None:
+        self.client = client
+        self.live: dict[str, WatchStream[Any]] = {}
+        self.gates: dict[str, asyncio.Event] = {}
+        self.resume_from: dict[str, str] = {}
+
+    async def list_objects(
+        self,
+        kind: ResourceKind,
+        type_: type[L],
+        *,
+        label_selector: str | None = None,
+        limit: int = 500,
+    ) -> ListResult[L]:
+        return await self.client.list_objects(
+            kind, type_, label_selector=label_selector, limit=limit
+        )
+
+    @asynccontextmanager
+    async def watch(
+        self,
+        kind: ResourceKind,
+        type_: type[Obj],
+        *,
+        resource_version: str = "",
+        label_selector: str | None = None,
+        timeout_s: int = 300,
+    ) -> AsyncIterator[AsyncIterator[WatchEvent[Obj]]]:
+        gate = self.gates.get(kind.plural)
+        if gate is not None:
+            await gate.wait()
+        resource_version = self.resume_from.pop(kind.plural, resource_version)
+        stream = self.client.watch(
+            kind,
+            type_,
+            resource_version=resource_version,
+            label_selector=label_selector,
+            timeout_s=timeout_s,
+        )
+        async with stream as events:
+            self.live[kind.plural] = stream
+            try:
+                yield events
+            finally:
+                self.live.pop(kind.plural, None)
+
+    def drop(self, plural: str) -> bool:
+        """Abort the live watch's TCP connection under the stream, as a network failure."""
+        stream = self.live.get(plural)
+        resp = None if stream is None else stream._resp
+        if resp is None or resp.connection is None or resp.connection.transport is None:
+            return False
+        resp.connection.transport.abort()
+        return True
+
+
+class Frozen:
+    """A kind's watch, stopped: no event reaches the cache until ``thaw``."""
+
+    def __init__(self, faults: Faults, informer: Informer[Any]) -> None:
+        self.faults = faults
         self.informer = informer
-        self.release = asyncio.Event()
-        self.original = informer._watch
+        self.plural = informer.kind.plural
 
     async def __aenter__(self) -> Frozen:
-        release = self.release
-
-        async def blocked() -> int:
-            await release.wait()
-            return 1  # "a healthy watch ended": the loop re-watches at once
-
         await condition(lambda: self.informer.connected, "a live watch to drop")
-        self.informer._watch = blocked  # type: ignore[method-assign]
-        assert self.informer._drop_connection(), "no live watch connection to drop"
+        self.faults.gates[self.plural] = asyncio.Event()
+        assert self.faults.drop(self.plural), "no live watch connection to drop"
         await condition(lambda: not self.informer.connected, "the watch to go down")
         return self
 
-    def thaw(self) -> None:
-        if not self.release.is_set():
-            self.informer._watch = self.original  # type: ignore[method-assign]
-            self.release.set()
+    def thaw(self, *, resource_version: str | None = None) -> None:
+        """Let the waiting watch go on (from ``resource_version`` instead, if given)."""
+        gate = self.faults.gates.pop(self.plural, None)
+        if gate is not None:
+            if resource_version is not None:
+                self.faults.resume_from[self.plural] = resource_version
+            gate.set()
 
     async def __aexit__(self, *exc: object) -> None:
         self.thaw()
@@ -200,11 +262,18 @@ async def cluster(kube_api: Any) -> AsyncIterator[Cluster]:
 
 
 @pytest_asyncio.fixture
-async def make_cache(kube: KubeClient) -> AsyncIterator[Callable[..., Awaitable[Any]]]:
+async def faults(kube: KubeClient) -> Faults:
+    return Faults(kube)
+
+
+@pytest_asyncio.fixture
+async def make_cache(
+    kube: KubeClient, faults: Faults
+) -> AsyncIterator[Callable[..., Awaitable[Any]]]:
     caches: list[WatchClusterState] = []
 
     async def make(*, start: bool = True, **kwargs: Any) -> WatchClusterState:
-        cache = WatchClusterState(kube, **kwargs)
+        cache = WatchClusterState(kube, transport=faults, **kwargs)
         caches.append(cache)
         if start:
             await cache.start()
@@ -473,7 +542,7 @@ async def test_snapshots_after_sync_make_no_api_reads(
 
 
 async def test_write_is_visible_to_the_next_snapshot_without_the_watch(
-    cluster: Cluster, make_cache: Any
+    cluster: Cluster, make_cache: Any, faults: Faults
 ) -> None:
     n = cluster.n
     host, proj = n("h1"), n("p")
@@ -481,7 +550,7 @@ async def test_write_is_visible_to_the_next_snapshot_without_the_watch(
     cache = await make_cache()
     await until(lambda: _slot_count(cache, host, proj), 1)
 
-    async with Frozen(cache.reservations):
+    async with Frozen(faults, cache.reservations):
         (slot,) = (await cache.snapshot([host], proj)).evaluator.slots_for_host(host, proj, GROUP)
         assert reservation_remaining_memory(slot) == 8 * GI
 
@@ -491,7 +560,7 @@ async def test_write_is_visible_to_the_next_snapshot_without_the_watch(
         assert now.metadata.resource_version == written.metadata.resource_version
 
         # A lagging watch event (the version before the write) must not roll it back.
-        assert cache.reservations._upsert(slot) is False
+        assert cache.reservations.store.upsert(slot) is False
         assert cache.reservations.apply(slot) is False
         assert cache.reservations.get(n("slot")) is written
 
@@ -516,7 +585,7 @@ async def _slot_count(cache: WatchClusterState, host: str, proj: str) -> int:
 
 
 async def test_recorder_never_overfills_a_slot_on_a_lagging_watch(
-    cluster: Cluster, make_cache: Any
+    cluster: Cluster, make_cache: Any, faults: Faults
 ) -> None:
     n = cluster.n
     host, proj = n("h1"), n("p")
@@ -538,7 +607,7 @@ async def test_recorder_never_overfills_a_slot_on_a_lagging_watch(
     recorder = Recorder(cache, clock=lambda: datetime(2026, 12, 2, tzinfo=UTC))
     uuids = [str(uuid.uuid4()) for _ in range(3)]
 
-    async with Frozen(cache.reservations):
+    async with Frozen(faults, cache.reservations):
         outcomes = []
         for vm in uuids:
             request = nova.parse_request(
@@ -561,12 +630,12 @@ async def test_recorder_never_overfills_a_slot_on_a_lagging_watch(
 
 
 async def test_expired_resource_version_relists_and_repairs_missed_events(
-    cluster: Cluster, make_cache: Any, registry: CollectorRegistry
+    cluster: Cluster, make_cache: Any, registry: CollectorRegistry, faults: Faults
 ) -> None:
     """A real 410: the server's watch cache no longer has resourceVersion 1.
 
     While the watch is frozen, objects are created and deleted (the events are missed);
-    the informer's resourceVersion is then set to "1", which the API server answers with
+    the watch then resumes from resourceVersion "1", which the API server answers with
     an ERROR event ``410 Expired: too old resource version``. The informer must LIST again
     and the relist (a diff against the store) must repair both the add and the delete.
     """
@@ -578,13 +647,12 @@ async def test_expired_resource_version_relists_and_repairs_missed_events(
     await until(lambda: _names(cache, host, proj), [n("gone")])
     lists_before = requests(registry, "list", "reservations")
 
-    async with Frozen(inf) as frozen:
+    async with Frozen(faults, inf) as frozen:
         await cluster.create(f.reservation(n("new"), host=host, project=proj))
         await cluster.delete("reservations", n("gone"))
         await asyncio.sleep(0.3)
         assert await _names(cache, host, proj) == [n("gone")]  # truly missed so far
-        inf._rv = "1"
-        frozen.thaw()
+        frozen.thaw(resource_version="1")
         await condition(lambda: inf.expired >= 1, "the 410")
         await until(lambda: _names(cache, host, proj), [n("new")])
 
@@ -601,7 +669,7 @@ async def _names(cache: WatchClusterState, host: str, proj: str) -> list[str]:
 
 
 async def test_dropped_connection_resumes_from_resource_version_without_relisting(
-    cluster: Cluster, make_cache: Any, registry: CollectorRegistry
+    cluster: Cluster, make_cache: Any, registry: CollectorRegistry, faults: Faults
 ) -> None:
     n = cluster.n
     host, proj = n("h1"), n("p")
@@ -613,12 +681,12 @@ async def test_dropped_connection_resumes_from_resource_version_without_relistin
     watches = requests(registry, "watch", "reservations")
 
     # 1. A plain network failure: the TCP connection is aborted under the stream.
-    assert inf._drop_connection()
+    assert faults.drop("reservations")
     await cluster.create(f.reservation(n("b"), host=host, project=proj))
     await until(lambda: _names(cache, host, proj), [n("a"), n("b")])
 
     # 2. Events that happen while disconnected are replayed from the kept resourceVersion.
-    async with Frozen(inf):
+    async with Frozen(faults, inf):
         await cluster.create(f.reservation(n("c"), host=host, project=proj))
         await cluster.delete("reservations", n("a"))
         await asyncio.sleep(0.3)
@@ -652,11 +720,11 @@ async def test_readiness_and_requests_before_sync(
 
 
 async def test_a_watch_down_too_long_is_not_ready_and_fails_requests(
-    cluster: Cluster, make_cache: Any
+    cluster: Cluster, make_cache: Any, faults: Faults
 ) -> None:
     cache = await make_cache(stale_after_s=0.3)
     await condition(lambda: cache.ready()[0], "ready")
-    async with Frozen(cache.reservations):
+    async with Frozen(faults, cache.reservations):
         await asyncio.sleep(0.4)
         ok, detail = cache.ready()
         assert not ok
