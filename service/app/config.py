@@ -141,8 +141,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Records of one partition received but not committed before it is paused"),
     Setting("key_concurrency", "CRS_KEY_CONCURRENCY", "256", _positive_int,
             "Records with different keys processed at once per partition"),
-    Setting("commit_interval_ms", "CRS_COMMIT_INTERVAL_MS", "20", _positive_int,
-            "Longest time a decided record waits for its partition's next commit"),
+    Setting("commit_interval_ms", "CRS_COMMIT_INTERVAL_MS", "50", _positive_int,
+            "Least time between two commits (transactions) of a partition; the first "
+            "output after a quiet spell is committed at once"),
     Setting("commit_max_records", "CRS_COMMIT_MAX_RECORDS", "500", _positive_int,
             "A partition commits at once when this many decided records wait"),
     Setting("revoke_wait_s", "CRS_REVOKE_WAIT_S", "2", _positive_float,

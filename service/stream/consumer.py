@@ -106,7 +106,7 @@ class StreamSettings:
     max_batch: int = 500  # records per fetch
     max_in_flight: int = 500  # per partition, received but not committed
     key_concurrency: int = 256  # per partition, keys processed at once
-    commit_interval_ms: int = 20
+    commit_interval_ms: int = 50
     commit_max_records: int = 500
     retry_backoff_s: float = 0.5
     retry_backoff_max_s: float = 30.0
@@ -464,23 +464,24 @@ class StreamService:
     # ------------------------------------------------------------------ commits
 
     async def _commit_loop(self, part: _Partition) -> None:
+        # At most one transaction per commit_interval_ms per partition (the broker's cost
+        # is per transaction), but no waiting when the partition was quiet: the first
+        # output after a pause is committed at once, later ones join the next commit
+        # when the interval since the last one has passed or commit_max_records wait.
         interval = self._s.commit_interval_ms / 1000
+        last_commit = -interval
         while not part.closed:
             await part.wake.wait()
             part.wake.clear()
-            # Linger: let a few more outputs join this transaction, bounded by time/count.
-            while (
-                not part.closed
-                and part.oldest_done is not None
-                and part.ledger.done_uncommitted < self._s.commit_max_records
-            ):
-                remaining = part.oldest_done + interval - self._clock()
+            while not part.closed and part.ledger.done_uncommitted < self._s.commit_max_records:
+                remaining = last_commit + interval - self._clock()
                 if remaining <= 0:
                     break
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(part.wake.wait(), remaining)
                 part.wake.clear()
             if not part.closed:
+                last_commit = self._clock()
                 await self._commit(part)
 
     async def _commit(self, part: _Partition) -> bool:

@@ -236,13 +236,19 @@ async def test_commit_by_count_without_waiting_for_the_interval(broker: FakeBrok
     assert len(outputs(broker)) == 4
 
 
-async def test_commit_by_time(broker: FakeBroker) -> None:
-    h = Harness(broker, commit_interval_ms=50, commit_max_records=1000)
+async def test_commit_by_time_at_most_once_per_interval(broker: FakeBroker) -> None:
+    h = Harness(broker, commit_interval_ms=300, commit_max_records=1000)
     broker.append(IN, 0, b"k", b"v")
     await h.start(TP0)
     started = time.monotonic()
     await until(lambda: len(outputs(broker)) == 1, limit_s=2)
-    assert time.monotonic() - started >= 0.04
+    assert time.monotonic() - started < 0.25  # quiet partition: committed at once
+    commits = broker.commits
+    broker.append(IN, 0, b"j", b"w")
+    await asyncio.sleep(0.1)
+    assert broker.commits == commits  # within the interval: it waits for the next commit
+    await until(lambda: len(outputs(broker)) == 2, limit_s=2)
+    assert time.monotonic() - started >= 0.28
     await h.stop()
 
 
