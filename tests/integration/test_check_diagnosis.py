@@ -115,7 +115,9 @@ def test_missing_files_name_the_variable_and_path(devstack: DevStack, tmp_path: 
     missing = tmp_path / "no-such-ca.crt"
     proc = check(devstack, KAFKA_SECURITY_PROTOCOL="SSL", KAFKA_SSL_CAFILE=str(missing))
     assert proc.returncode == 2
-    assert one_line(proc) == f"kafka: KAFKA_SSL_CAFILE={missing}: no such file"
+    assert one_line(proc) == (
+        f"crs-consumer: invalid configuration: KAFKA_SSL_CAFILE={missing}: no such file"
+    )
     proc = check(devstack, KUBECONFIG=str(tmp_path))
     assert proc.returncode == 2
     assert one_line(proc) == f"kubernetes: KUBECONFIG={tmp_path}: not a regular file"

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from service.app.cli import build_parser, main
@@ -27,6 +28,37 @@ def test_defaults_work_on_the_dev_stack() -> None:
     assert c.http_port == 8080
     assert c.k8s_read_mode == "watch"
     assert c.kubeconfig is None  # in-cluster unless KUBECONFIG is set
+
+
+def test_every_default_meets_its_own_constraint() -> None:
+    # Defaults are typed values, not parsed text: a strict round trip checks each against
+    # the constraint of its field (a default of 0 for a positive setting fails here).
+    defaults = msgspec.structs.asdict(Config())
+    assert msgspec.convert(defaults, Config) == Config()
+    assert {s.field for s in SETTINGS} == set(defaults)
+
+
+def test_choices_ignore_case_and_booleans_take_words() -> None:
+    c = Config.load(env={"CRS_LOG_LEVEL": "debug", "CRS_EXACTLY_ONCE": "off",
+                         "CRS_K8S_READ_MODE": " List "})  # fmt: skip
+    assert (c.log_level, c.exactly_once, c.k8s_read_mode) == ("DEBUG", False, "list")
+    assert Config.load(env={"CRS_EXACTLY_ONCE": "Yes"}).exactly_once is True
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"CRS_HTTP_PORT": "70000"}, "CRS_HTTP_PORT='70000': must be an integer from 0 to 65535"),
+        ({"CRS_MAX_BATCH": "1.5"}, "CRS_MAX_BATCH='1.5': must be a positive integer"),
+        ({"CRS_REVOKE_WAIT_S": "0"}, "CRS_REVOKE_WAIT_S='0': must be a positive number"),
+        ({"CRS_LOG_FORMAT": "xml"}, "CRS_LOG_FORMAT='xml': must be one of console, json"),
+        ({"CRS_GROUP_ID": " "}, "CRS_GROUP_ID=' ': must be a non-empty text"),
+    ],
+)
+def test_errors_say_what_the_constraint_wants(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        Config.load(env=env)
+    assert str(err.value) == message
 
 
 def test_environment_then_cli_override() -> None:
