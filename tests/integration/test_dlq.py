@@ -21,7 +21,7 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from service.app.config import SETTINGS, Config
+from service.app.config import Config
 from service.app.runtime import Runtime
 from tests import e2e
 from tests.conftest import REPO, DevStack
@@ -54,11 +54,7 @@ async def running(cfg: Config) -> AsyncIterator[Runtime]:
 
 
 def cli(cfg: Config, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ}
-    for s in SETTINGS:
-        value = getattr(cfg, s.field)
-        if value is not None:
-            env[s.env] = str(value).lower() if isinstance(value, bool) else str(value)
+    env = {**os.environ, **cfg.to_env()}
     return subprocess.run(
         [sys.executable, "-m", "service", *args],
         cwd=REPO,

@@ -304,3 +304,19 @@ def test_bad_client_tls_settings_name_the_variable(
         env[key] = client_cert.get(value, value) if value else value
     with pytest.raises(ConfigError, match=named):
         Config.load(env={k: v for k, v in env.items() if v is not None})
+
+
+def test_to_env_configures_a_child_process_exactly_so() -> None:
+    # The subprocess helpers of the tests and benchmarks start the service from this.
+    env = {
+        **SASL,
+        "KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+        "KAFKA_SASL_PASSWORD": "pw",
+        "CRS_EXACTLY_ONCE": "false",
+        "CRS_REVOKE_WAIT_S": "0.25",
+        "CRS_HTTP_PORT": "0",
+    }
+    config = Config.load(env=env)
+    assert Config.load(env=config.to_env()) == config
+    assert config.to_env()["CRS_EXACTLY_ONCE"] == "false"
+    assert Config.load(env=Config().to_env()) == Config()
