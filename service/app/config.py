@@ -173,6 +173,49 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
         PositiveFloat, _env("CRS_RETRY_BACKOFF_MAX_S", "Cap of the retry delay")
     ] = 30.0
     max_batch: Annotated[PositiveInt, _env("CRS_MAX_BATCH", "Most records fetched per poll")] = 500
+    poll_timeout_ms: Annotated[
+        PositiveInt,
+        _env(
+            "CRS_POLL_TIMEOUT_MS",
+            "Longest one fetch waits for records (an idle consume loop turns this often)",
+        ),
+    ] = 500
+    commit_timeout_s: Annotated[
+        PositiveFloat,
+        _env(
+            "CRS_COMMIT_TIMEOUT_S",
+            "Longest one commit (outputs and input offsets) may take before it counts as "
+            "failed and is retried",
+        ),
+    ] = 30.0
+    fence_recheck_s: Annotated[
+        PositiveFloat,
+        _env(
+            "CRS_FENCE_RECHECK_S",
+            "After a partition's producer was fenced (another member took its "
+            "transactional.id), how long before this member checks whether it still owns it",
+        ),
+    ] = 15.0
+    # --- 409 conflicts (the Recorder)
+    conflict_retries: Annotated[
+        Annotated[int, Meta(ge=0)] | None,
+        _env(
+            "CRS_CONFLICT_RETRIES",
+            "Most re-decisions of one placement after 409 conflicts before 'failed' "
+            "(unset: only CRS_CONFLICT_TIMEOUT_S bounds them)",
+        ),
+    ] = None
+    conflict_backoff_s: Annotated[
+        PositiveFloat,
+        _env(
+            "CRS_CONFLICT_BACKOFF_S",
+            "First wait after a 409 conflict; doubles per conflict, plus up to half of it "
+            "at random so racing replicas spread out",
+        ),
+    ] = 0.01
+    conflict_backoff_max_s: Annotated[
+        PositiveFloat, _env("CRS_CONFLICT_BACKOFF_MAX_S", "Cap of the conflict wait")
+    ] = 0.5
     # --- Kubernetes
     k8s_read_mode: Annotated[
         Literal["watch", "list"],
@@ -187,6 +230,39 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     kubeconfig: Annotated[
         NonEmpty | None, _env("KUBECONFIG", "kubeconfig file; unset: in-cluster service account")
     ] = None
+    k8s_page_size: Annotated[
+        PositiveInt,
+        _env(
+            "CRS_K8S_PAGE_SIZE",
+            "Objects per page of a Kubernetes list (the watches' (re)lists, list mode's reads)",
+        ),
+    ] = 500
+    watch_timeout_s: Annotated[
+        Annotated[float, Meta(ge=1)] | None,
+        _env(
+            "CRS_WATCH_TIMEOUT_S",
+            "Renewal period of a watch (its server-side timeoutSeconds, spread by up to "
+            "+20 %); unset: min(15, CRS_READINESS_BOUND_S / 2)",
+        ),
+    ] = None
+    watch_stale_after_s: Annotated[
+        PositiveFloat,
+        _env(
+            "CRS_WATCH_STALE_AFTER_S",
+            "How long requests are still answered from the cache while a watch is down "
+            "(reconnecting); then they fail and /readyz says so",
+        ),
+    ] = 30.0
+    watch_backoff_s: Annotated[
+        PositiveFloat,
+        _env(
+            "CRS_WATCH_BACKOFF_S",
+            "First wait before a failed watch or list is retried; doubles per failure",
+        ),
+    ] = 0.5
+    watch_backoff_max_s: Annotated[
+        PositiveFloat, _env("CRS_WATCH_BACKOFF_MAX_S", "Cap of the watch retry wait")
+    ] = 30.0
     # --- HTTP, logs, lifecycle
     http_host: Annotated[
         NonEmpty, _env("CRS_HTTP_HOST", "Address of the HTTP server (/metrics, /healthz, /readyz)")
@@ -224,6 +300,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
             "is consumed within about this",
         ),
     ] = 15.0
+    liveness_bound_s: Annotated[
+        PositiveFloat,
+        _env(
+            "CRS_LIVENESS_BOUND_S",
+            "/healthz fails when the consume loop has not turned for longer than this",
+        ),
+    ] = 180.0
 
     # ------------------------------------------------------------------ loading
 
@@ -267,6 +350,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError("CRS_INPUT_TOPIC, CRS_OUTPUT_TOPIC and CRS_DLQ_TOPIC must differ")
         if self.revoke_wait_s * 1000 > self.session_timeout_ms / 2:
             raise ConfigError("CRS_REVOKE_WAIT_S must be at most half of CRS_SESSION_TIMEOUT_MS")
+        if self.watch_timeout_s is not None and self.watch_timeout_s > self.readiness_bound_s / 2:
+            # A renewal is the watch's sign of life: a rarer one makes a healthy quiet
+            # watch look silent to /readyz.
+            raise ConfigError("CRS_WATCH_TIMEOUT_S must be at most half of CRS_READINESS_BOUND_S")
         for base, cap in _BACKOFFS:
             if getattr(self, cap) < getattr(self, base):
                 raise ConfigError(f"{env[cap]} must be >= {env[base]}")
@@ -276,6 +363,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def effective_transactional_id_prefix(self) -> str:
         return self.transactional_id_prefix or self.group_id
+
+    @property
+    def effective_watch_timeout_s(self) -> float:
+        """Watch renewals well inside the readiness bound, unless set."""
+        if self.watch_timeout_s is not None:
+            return self.watch_timeout_s
+        return max(1.0, min(15.0, self.readiness_bound_s / 2))
 
     def kafka_client_args(self) -> dict[str, Any]:
         """Connection settings shared by the consumer, producers and admin client."""
@@ -336,7 +430,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # (base, cap) pairs of back-offs: a cap below its base is a typo, not a tuning.
-_BACKOFFS = (("retry_backoff_s", "retry_backoff_max_s"),)
+_BACKOFFS = (
+    ("retry_backoff_s", "retry_backoff_max_s"),
+    ("conflict_backoff_s", "conflict_backoff_max_s"),
+    ("watch_backoff_s", "watch_backoff_max_s"),
+)
 
 
 # ---------------------------------------------------------------------- the derived view

@@ -80,6 +80,13 @@ def test_environment_then_cli_override() -> None:
         ({"CRS_LOG_FORMAT": "xml"}, "CRS_LOG_FORMAT"),
         ({"KAFKA_SECURITY_PROTOCOL": "SASL_SSL"}, "KAFKA_SASL_MECHANISM"),
         ({"CRS_OUTPUT_TOPIC": "nova.scheduling-outcomes"}, "CRS_OUTPUT_TOPIC"),
+        ({"CRS_CONFLICT_RETRIES": "-1"}, "CRS_CONFLICT_RETRIES"),
+        ({"CRS_CONFLICT_BACKOFF_MAX_S": "0.001"}, "CRS_CONFLICT_BACKOFF_MAX_S"),
+        ({"CRS_WATCH_BACKOFF_S": "60"}, "CRS_WATCH_BACKOFF_MAX_S"),
+        ({"CRS_WATCH_TIMEOUT_S": "0.5"}, "CRS_WATCH_TIMEOUT_S"),  # the server counts seconds
+        ({"CRS_WATCH_TIMEOUT_S": "20"}, "CRS_WATCH_TIMEOUT_S must be at most half of"),
+        ({"CRS_K8S_PAGE_SIZE": "0"}, "CRS_K8S_PAGE_SIZE"),
+        ({"CRS_LIVENESS_BOUND_S": "never"}, "CRS_LIVENESS_BOUND_S"),
     ],
 )
 def test_invalid_values_name_the_variable(env: dict[str, str], named: str) -> None:
