@@ -507,14 +507,15 @@ def _describe(t: mi.Type) -> str:
     if isinstance(base, mi.BoolType):
         return "true or false"
     if isinstance(base, mi.IntType | mi.FloatType):
-        noun = "an integer" if isinstance(base, mi.IntType) else "a number"
+        noun = "integer" if isinstance(base, mi.IntType) else "number"
         if base.gt == 0:
-            return f"a positive {noun.split()[-1]}"
+            return f"a positive {noun}"
+        article = "an" if noun == "integer" else "a"
         if base.ge is not None and base.le is not None:
-            return f"{noun} from {base.ge} to {base.le}"
+            return f"{article} {noun} from {base.ge} to {base.le}"
         if base.ge is not None:
-            return f"{noun} >= {base.ge}"
-        return noun
+            return f"{article} {noun} >= {base.ge}"
+        return f"{article} {noun}"
     if isinstance(base, mi.StrType) and base.min_length:
         return "a non-empty text"
     return f"a {type(base).__name__.removesuffix('Type').lower()}"
@@ -529,17 +530,18 @@ def _text(value: object) -> str:
     return str(value)
 
 
-def _settings() -> tuple[Setting, ...]:
-    hints = get_type_hints(Config, include_extras=True)
-    info = mi.type_info(Config)
+def _settings(cls: type[msgspec.Struct]) -> tuple[Setting, ...]:
+    """The settings declared by the fields of ``cls``; each must have _env(...) and a default."""
+    hints = get_type_hints(cls, include_extras=True)
+    info = mi.type_info(cls)
     assert isinstance(info, mi.StructType)
     out = []
     for f in info.fields:
         meta = f.type
         if not isinstance(meta, mi.Metadata) or not meta.extra or not meta.extra_json_schema:
-            raise TypeError(f"Config.{f.name} is declared without _env(...)")
+            raise TypeError(f"{cls.__name__}.{f.name} is declared without _env(...)")
         if f.required:
-            raise TypeError(f"Config.{f.name} has no default")
+            raise TypeError(f"{cls.__name__}.{f.name} has no default")
         out.append(
             Setting(
                 field=f.name,
@@ -554,7 +556,7 @@ def _settings() -> tuple[Setting, ...]:
     return tuple(out)
 
 
-SETTINGS: tuple[Setting, ...] = _settings()
+SETTINGS: tuple[Setting, ...] = _settings(Config)
 _ENV = {s.field: s.env for s in SETTINGS}
 
 

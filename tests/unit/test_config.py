@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import re
 import ssl
 import subprocess
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 import pytest
 
+from service.app import config as config_module
 from service.app.cli import build_parser, main
 from service.app.config import SETTINGS, Config, ConfigError
 from tests.conftest import REPO
@@ -36,6 +39,27 @@ def test_every_default_meets_its_own_constraint() -> None:
     defaults = msgspec.structs.asdict(Config())
     assert msgspec.convert(defaults, Config) == Config()
     assert {s.field for s in SETTINGS} == set(defaults)
+
+
+def test_a_field_without_variable_or_default_is_refused_at_import() -> None:
+    class Undeclared(msgspec.Struct):
+        knob: int = 1
+
+    class NoDefault(msgspec.Struct):
+        knob: Annotated[int, config_module._env("CRS_KNOB", "A knob")]
+
+    with pytest.raises(TypeError, match=r"Undeclared\.knob is declared without _env"):
+        config_module._settings(Undeclared)
+    with pytest.raises(TypeError, match=r"NoDefault\.knob has no default"):
+        config_module._settings(NoDefault)
+
+
+def test_the_variables_the_service_names_are_its_settings() -> None:
+    # Error and check messages name variables by hand: each must be a real one.
+    known = {s.env for s in SETTINGS} | {s.file_env for s in SETTINGS if s.secret}
+    for path in (REPO / "service").rglob("*.py"):
+        named = set(re.findall(r"\b(?:CRS|KAFKA)_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+        assert named <= known, f"{path.name} names unknown variables: {sorted(named - known)}"
 
 
 def test_choices_ignore_case_and_booleans_take_words() -> None:
