@@ -24,7 +24,7 @@ from msgspec import inspect as mi
 
 __all__ = ["SETTINGS", "Config", "ConfigError", "Setting"]
 
-_CLIENT_TLS = frozenset({"ssl_certfile", "ssl_keyfile", "ssl_key_password"})
+_CLIENT_TLS = ("ssl_certfile", "ssl_keyfile", "ssl_key_password")
 # Trailing line breaks of a secret file are an editor's, not part of the secret.
 _FILE_TRAILER = "\r\n"
 _BOOL_WORDS = {"yes": "true", "on": "true", "no": "false", "off": "false"}
@@ -341,7 +341,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
         if self.ssl_key_password and not self.ssl_keyfile:
             raise ConfigError("KAFKA_SSL_KEY_PASSWORD needs KAFKA_SSL_KEYFILE")
         tls = self.security_protocol in {"SSL", "SASL_SSL"}
-        for field in sorted(_CLIENT_TLS):
+        for field in _CLIENT_TLS:
             if getattr(self, field) and not tls:
                 raise ConfigError(f"{env[field]} needs KAFKA_SECURITY_PROTOCOL SSL or SASL_SSL")
         if tls:
