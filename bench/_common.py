@@ -567,15 +567,7 @@ def free_port() -> int:
 
 def service_env(cfg: Config, **extra: str) -> dict[str, str]:
     """The environment of ``python -m service run`` for ``cfg`` (plus ``extra``)."""
-    from service.app.config import SETTINGS
-
-    env = dict(os.environ)
-    for s in SETTINGS:
-        value = getattr(cfg, s.field)
-        if value is not None:
-            env[s.env] = str(value).lower() if isinstance(value, bool) else str(value)
-    env.update(extra)
-    return env
+    return {**os.environ, **cfg.to_env(), **extra}
 
 
 def spawn(args: Sequence[str], env: dict[str, str] | None, log_path: str) -> Any:

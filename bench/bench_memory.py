@@ -43,8 +43,6 @@ from _common import (
     topic_name,
 )
 
-from service.app.config import SETTINGS
-
 REPO = Path(__file__).resolve().parents[1]
 MB = 1024 * 1024
 
@@ -96,11 +94,7 @@ async def one_run(
     await create_topics(bootstrap, {t: 4 if k == "input" else 1 for k, t in topics.items()})
     port = free_port()
     cfg = service_config(bootstrap, kubeconfig, topics, "mem", CRS_HTTP_PORT=str(port))
-    env = {**os.environ}
-    for s in SETTINGS:
-        value = getattr(cfg, s.field)
-        if value is not None:
-            env[s.env] = str(value).lower() if isinstance(value, bool) else str(value)
+    env = {**os.environ, **cfg.to_env()}
     log_path = f"/tmp/crs-bench-memory-{rep}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(  # noqa: ASYNC220 (started once, not on a hot path)

@@ -149,11 +149,7 @@ def config(devstack: DevStack, topics: dict[str, str], **settings: str) -> Confi
 
 def spawn(cfg: Config, log_path: str) -> subprocess.Popen[bytes]:
     """The service as a real process (``python -m service run``), configured by env."""
-    env = {**os.environ}
-    for s in __import__("service.app.config", fromlist=["SETTINGS"]).SETTINGS:
-        value = getattr(cfg, s.field)
-        if value is not None:
-            env[s.env] = str(value).lower() if isinstance(value, bool) else str(value)
+    env = {**os.environ, **cfg.to_env()}
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "service", "run"],

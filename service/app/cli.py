@@ -26,13 +26,14 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("settings (each also read from its environment variable)")
     for s in SETTINGS:
         default = "unset" if s.default is None else s.default
+        text = s.help.replace("%", "%%")  # argparse formats help with %
         if s.secret:
             group.add_argument(
                 s.flag,
                 dest=f"{s.field}_file",
                 metavar="PATH",
                 default=None,
-                help=f"file holding the {s.help} [env {s.env} or {s.file_env}]",
+                help=f"file holding the {text} [env {s.env} or {s.file_env}]",
             )
             # The old value flag put the secret into `ps` output: refused with a pointer.
             group.add_argument(
@@ -44,7 +45,7 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
             dest=s.field,
             metavar=s.env,
             default=None,
-            help=f"{s.help} [env {s.env}, default {default}]",
+            help=f"{text} [env {s.env}, default {default}]",
         )
 
 

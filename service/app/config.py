@@ -1,101 +1,461 @@
 """Configuration from environment variables, with command-line overrides.
 
-Every setting has one environment variable and one ``--flag``; the flag wins. Defaults
-work against the local dev stack (``devstack/up``). A bad value is reported naming the
-variable, so an operator can fix a Deployment without reading code.
+Each setting is declared once, as a field of :class:`Config`: its type and constraint
+(msgspec ``Annotated`` metadata), its default, and its variable and meaning (``_env``).
+Everything else derives from that one declaration: :data:`SETTINGS` (the flags, the
+README table, redaction), the parsing of a variable's text (msgspec's lax conversion of
+strings) and the error message. Every setting has one environment variable and one
+``--flag``; the flag wins. Defaults work against the local dev stack (``devstack/up``).
+A bad value is reported naming the variable (or flag, or ``_FILE`` variable) it came
+from, so an operator can fix a Deployment without reading code.
 """
 
 from __future__ import annotations
 
 import os
 import ssl
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, get_type_hints
+
+import msgspec
+from msgspec import Meta
+from msgspec import inspect as mi
 
 __all__ = ["SETTINGS", "Config", "ConfigError", "Setting"]
 
-_CLIENT_TLS = frozenset({"ssl_certfile", "ssl_keyfile", "ssl_key_password"})
+_CLIENT_TLS = ("ssl_certfile", "ssl_keyfile", "ssl_key_password")
 # Trailing line breaks of a secret file are an editor's, not part of the secret.
 _FILE_TRAILER = "\r\n"
+_BOOL_WORDS = {"yes": "true", "on": "true", "no": "false", "off": "false"}
+
+# The constraints, named once; msgspec checks them when a variable's text is converted.
+NonEmpty = Annotated[str, Meta(min_length=1)]
+PositiveInt = Annotated[int, Meta(gt=0)]
+PositiveFloat = Annotated[float, Meta(gt=0)]
+Port = Annotated[int, Meta(ge=0, le=65535)]
+
+
+def _env(env: str, text: str, *, secret: bool = False) -> Meta:
+    """A setting's variable and meaning, attached to its field.
+
+    A secret is masked in logs and errors, and has no value flag: a command line shows in
+    ``ps`` and in the pod spec. It comes from ``ENV``, or from the file named by
+    ``ENV_FILE`` / ``--<name>-file`` (a mounted Secret), never both.
+    """
+    return Meta(description=text, extra={"env": env, "secret": secret})
 
 
 class ConfigError(ValueError):
     """A setting is missing or invalid; the message names the variable."""
 
 
-def _bool(raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in {"1", "true", "yes", "on"}:
-        return True
-    if value in {"0", "false", "no", "off"}:
-        return False
-    raise ValueError("expected true or false")
+class Config(msgspec.Struct, frozen=True, kw_only=True):
+    """The service's settings; ``Config()`` is the dev-stack configuration."""
+
+    # --- Kafka connection
+    bootstrap_servers: Annotated[
+        NonEmpty,
+        _env("KAFKA_BOOTSTRAP_SERVERS", "Kafka bootstrap servers, comma-separated host:port"),
+    ] = "127.0.0.1:19092"
+    security_protocol: Annotated[
+        Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"],
+        _env("KAFKA_SECURITY_PROTOCOL", "Kafka security protocol"),
+    ] = "PLAINTEXT"
+    sasl_mechanism: Annotated[
+        Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None,
+        _env("KAFKA_SASL_MECHANISM", "SASL mechanism (with SASL_*)"),
+    ] = None
+    sasl_username: Annotated[str | None, _env("KAFKA_SASL_USERNAME", "SASL user name")] = None
+    sasl_password: Annotated[
+        str | None, _env("KAFKA_SASL_PASSWORD", "SASL password", secret=True)
+    ] = None
+    ssl_cafile: Annotated[
+        NonEmpty | None, _env("KAFKA_SSL_CAFILE", "CA bundle for the brokers' TLS certificates")
+    ] = None
+    ssl_certfile: Annotated[
+        NonEmpty | None,
+        _env(
+            "KAFKA_SSL_CERTFILE",
+            "Client certificate (PEM) for mutual TLS, e.g. a Strimzi KafkaUser's user.crt",
+        ),
+    ] = None
+    ssl_keyfile: Annotated[
+        NonEmpty | None, _env("KAFKA_SSL_KEYFILE", "Private key (PEM) of the client certificate")
+    ] = None
+    ssl_key_password: Annotated[
+        str | None,
+        _env("KAFKA_SSL_KEY_PASSWORD", "Password of an encrypted KAFKA_SSL_KEYFILE", secret=True),
+    ] = None
+    # --- topics and group
+    input_topic: Annotated[
+        NonEmpty, _env("CRS_INPUT_TOPIC", "Topic of Nova scheduling outcomes (input)")
+    ] = "nova.scheduling-outcomes"
+    output_topic: Annotated[
+        NonEmpty, _env("CRS_OUTPUT_TOPIC", "Topic of classification events (output)")
+    ] = "cortex.crs.classifications"
+    dlq_topic: Annotated[
+        NonEmpty, _env("CRS_DLQ_TOPIC", "Dead-letter topic for events that cannot be processed")
+    ] = "nova.scheduling-outcomes.dlq"
+    group_id: Annotated[NonEmpty, _env("CRS_GROUP_ID", "Kafka consumer group")] = (
+        "cortex-crs-consumer"
+    )
+    exactly_once: Annotated[
+        bool, _env("CRS_EXACTLY_ONCE", "Commit outputs and input offsets in one Kafka transaction")
+    ] = True
+    # --- stream engine
+    transactional_id_prefix: Annotated[
+        NonEmpty | None,
+        _env(
+            "CRS_TRANSACTIONAL_ID_PREFIX",
+            "Prefix of the per-partition transactional.id <prefix>-<topic>-<partition> "
+            "(default: the group id); the prefix of the TransactionalId ACL",
+        ),
+    ] = None
+    max_in_flight: Annotated[
+        PositiveInt,
+        _env(
+            "CRS_MAX_IN_FLIGHT",
+            "Records of one partition received but not committed before it is paused",
+        ),
+    ] = 500
+    key_concurrency: Annotated[
+        PositiveInt,
+        _env("CRS_KEY_CONCURRENCY", "Records with different keys processed at once per partition"),
+    ] = 256
+    commit_interval_ms: Annotated[
+        PositiveInt,
+        _env(
+            "CRS_COMMIT_INTERVAL_MS",
+            "Least time between two commits (transactions) of a partition; the first "
+            "output after a quiet spell is committed at once",
+        ),
+    ] = 50
+    commit_max_records: Annotated[
+        PositiveInt,
+        _env(
+            "CRS_COMMIT_MAX_RECORDS",
+            "A partition commits at once when this many decided records wait",
+        ),
+    ] = 500
+    revoke_wait_s: Annotated[
+        PositiveFloat,
+        _env(
+            "CRS_REVOKE_WAIT_S",
+            "On revoke, how long records in progress may finish before "
+            "handover (inside the rebalance: keep it well below the session timeout)",
+        ),
+    ] = 2.0
+    session_timeout_ms: Annotated[
+        PositiveInt, _env("CRS_SESSION_TIMEOUT_MS", "Kafka consumer group session timeout")
+    ] = 10000
+    conflict_timeout_s: Annotated[
+        PositiveFloat,
+        _env(
+            "CRS_CONFLICT_TIMEOUT_S",
+            "How long a placement keeps re-deciding after 409 conflicts before 'failed'",
+        ),
+    ] = 30.0
+    max_event_bytes: Annotated[
+        PositiveInt, _env("CRS_MAX_EVENT_BYTES", "Larger input events are dead-lettered unread")
+    ] = 1048576
+    max_attempts: Annotated[
+        PositiveInt,
+        _env(
+            "CRS_MAX_ATTEMPTS",
+            "Attempts for an event failing on a retryable error before it is "
+            "dead-lettered (20 with the default back-off: about 8 minutes)",
+        ),
+    ] = 20
+    retry_backoff_s: Annotated[
+        PositiveFloat, _env("CRS_RETRY_BACKOFF_S", "First retry delay; doubles per attempt")
+    ] = 0.5
+    retry_backoff_max_s: Annotated[
+        PositiveFloat, _env("CRS_RETRY_BACKOFF_MAX_S", "Cap of the retry delay")
+    ] = 30.0
+    max_batch: Annotated[PositiveInt, _env("CRS_MAX_BATCH", "Most records fetched per poll")] = 500
+    poll_timeout_ms: Annotated[
+        PositiveInt,
+        _env(
+            "CRS_POLL_TIMEOUT_MS",
+            "Longest one fetch waits for records (an idle consume loop turns this often)",
+        ),
+    ] = 500
+    commit_timeout_s: Annotated[
+        PositiveFloat,
+        _env(
+            "CRS_COMMIT_TIMEOUT_S",
+            "Longest one commit (outputs and input offsets) may take before it counts as "
+            "failed and is retried",
+        ),
+    ] = 30.0
+    fence_recheck_s: Annotated[
+        PositiveFloat,
+        _env(
+            "CRS_FENCE_RECHECK_S",
+            "After a partition's producer was fenced (another member took its "
+            "transactional.id), how long before this member checks whether it still owns it",
+        ),
+    ] = 15.0
+    # --- 409 conflicts (the Recorder)
+    conflict_retries: Annotated[
+        Annotated[int, Meta(ge=0)] | None,
+        _env(
+            "CRS_CONFLICT_RETRIES",
+            "Most re-decisions of one placement after 409 conflicts before 'failed' "
+            "(unset: only CRS_CONFLICT_TIMEOUT_S bounds them)",
+        ),
+    ] = None
+    conflict_backoff_s: Annotated[
+        PositiveFloat,
+        _env(
+            "CRS_CONFLICT_BACKOFF_S",
+            "First wait after a 409 conflict; doubles per conflict, plus up to half of it "
+            "at random so racing replicas spread out",
+        ),
+    ] = 0.01
+    conflict_backoff_max_s: Annotated[
+        PositiveFloat, _env("CRS_CONFLICT_BACKOFF_MAX_S", "Cap of the conflict wait")
+    ] = 0.5
+    # --- Kubernetes
+    k8s_read_mode: Annotated[
+        Literal["watch", "list"],
+        _env(
+            "CRS_K8S_READ_MODE",
+            "watch: informer cache, no API reads per event; list: read per event",
+        ),
+    ] = "watch"
+    k8s_timeout_s: Annotated[
+        PositiveFloat, _env("CRS_K8S_TIMEOUT_S", "Timeout of one Kubernetes API request")
+    ] = 10.0
+    kubeconfig: Annotated[
+        NonEmpty | None, _env("KUBECONFIG", "kubeconfig file; unset: in-cluster service account")
+    ] = None
+    k8s_page_size: Annotated[
+        PositiveInt,
+        _env(
+            "CRS_K8S_PAGE_SIZE",
+            "Objects per page of a Kubernetes list (the watches' (re)lists, list mode's reads)",
+        ),
+    ] = 500
+    watch_timeout_s: Annotated[
+        Annotated[float, Meta(ge=1)] | None,
+        _env(
+            "CRS_WATCH_TIMEOUT_S",
+            "Renewal period of a watch (its server-side timeoutSeconds, spread by up to "
+            "+20 %); unset: min(15, CRS_READINESS_BOUND_S / 2)",
+        ),
+    ] = None
+    watch_stale_after_s: Annotated[
+        PositiveFloat,
+        _env(
+            "CRS_WATCH_STALE_AFTER_S",
+            "How long requests are still answered from the cache while a watch is down "
+            "(reconnecting); then they fail and /readyz says so",
+        ),
+    ] = 30.0
+    watch_backoff_s: Annotated[
+        PositiveFloat,
+        _env(
+            "CRS_WATCH_BACKOFF_S",
+            "First wait before a failed watch or list is retried; doubles per failure",
+        ),
+    ] = 0.5
+    watch_backoff_max_s: Annotated[
+        PositiveFloat, _env("CRS_WATCH_BACKOFF_MAX_S", "Cap of the watch retry wait")
+    ] = 30.0
+    # --- HTTP, logs, lifecycle
+    http_host: Annotated[
+        NonEmpty, _env("CRS_HTTP_HOST", "Address of the HTTP server (/metrics, /healthz, /readyz)")
+    ] = "127.0.0.1"
+    http_port: Annotated[Port, _env("CRS_HTTP_PORT", "Port of the HTTP server (0: any free)")] = (
+        8080
+    )
+    log_level: Annotated[
+        Literal["DEBUG", "INFO", "WARNING", "ERROR"],
+        _env("CRS_LOG_LEVEL", "DEBUG, INFO, WARNING or ERROR"),
+    ] = "INFO"
+    log_format: Annotated[
+        Literal["json", "console"], _env("CRS_LOG_FORMAT", "json (one object per line) or console")
+    ] = "json"
+    shutdown_timeout_s: Annotated[
+        PositiveFloat,
+        _env(
+            "CRS_SHUTDOWN_TIMEOUT_S", "Longest graceful shutdown before in-flight work is abandoned"
+        ),
+    ] = 30.0
+    # --- operability (health bounds, metadata refresh)
+    readiness_bound_s: Annotated[
+        PositiveFloat,
+        _env(
+            "CRS_READINESS_BOUND_S",
+            "/readyz fails when Kafka has been unreachable, or a watch "
+            "has delivered nothing, for longer than this",
+        ),
+    ] = 30.0
+    metadata_max_age_s: Annotated[
+        PositiveFloat,
+        _env(
+            "CRS_METADATA_MAX_AGE_S",
+            "Kafka metadata refresh period: a topic created after start "
+            "is consumed within about this",
+        ),
+    ] = 15.0
+    liveness_bound_s: Annotated[
+        PositiveFloat,
+        _env(
+            "CRS_LIVENESS_BOUND_S",
+            "/healthz fails when the consume loop has not turned for longer than this",
+        ),
+    ] = 180.0
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def load(
+        cls,
+        env: Mapping[str, str] | None = None,
+        overrides: Mapping[str, str | None] | None = None,
+    ) -> Config:
+        """Build from ``env`` (default ``os.environ``), then ``overrides`` (by field)."""
+        env = os.environ if env is None else env
+        overrides = overrides or {}
+        values: dict[str, Any] = {}
+        for s in SETTINGS:
+            raw, source = _raw_value(s, env, overrides)
+            if raw is not None:
+                values[s.field] = s.parse(raw, source)
+        config = cls(**values)
+        config._check_consistency()
+        return config
+
+    def _check_consistency(self) -> None:
+        env = _ENV
+        if self.security_protocol.startswith("SASL_"):
+            for field in ("sasl_mechanism", "sasl_username", "sasl_password"):
+                if not getattr(self, field):
+                    raise ConfigError(
+                        f"{env[field]} is required when KAFKA_SECURITY_PROTOCOL is SASL_*"
+                    )
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ConfigError("KAFKA_SSL_CERTFILE and KAFKA_SSL_KEYFILE go together (mutual TLS)")
+        if self.ssl_key_password and not self.ssl_keyfile:
+            raise ConfigError("KAFKA_SSL_KEY_PASSWORD needs KAFKA_SSL_KEYFILE")
+        tls = self.security_protocol in {"SSL", "SASL_SSL"}
+        for field in _CLIENT_TLS:
+            if getattr(self, field) and not tls:
+                raise ConfigError(f"{env[field]} needs KAFKA_SECURITY_PROTOCOL SSL or SASL_SSL")
+        if tls:
+            self.kafka_client_args()  # unreadable or mismatched TLS files fail here, by name
+        if len({self.input_topic, self.output_topic, self.dlq_topic}) != 3:
+            raise ConfigError("CRS_INPUT_TOPIC, CRS_OUTPUT_TOPIC and CRS_DLQ_TOPIC must differ")
+        if self.revoke_wait_s * 1000 > self.session_timeout_ms / 2:
+            raise ConfigError("CRS_REVOKE_WAIT_S must be at most half of CRS_SESSION_TIMEOUT_MS")
+        if self.watch_timeout_s is not None and self.watch_timeout_s > self.readiness_bound_s / 2:
+            # A renewal is the watch's sign of life: a rarer one makes a healthy quiet
+            # watch look silent to /readyz.
+            raise ConfigError("CRS_WATCH_TIMEOUT_S must be at most half of CRS_READINESS_BOUND_S")
+        for base, cap in _BACKOFFS:
+            if getattr(self, cap) < getattr(self, base):
+                raise ConfigError(f"{env[cap]} must be >= {env[base]}")
+
+    # ------------------------------------------------------------------ derived values
+
+    @property
+    def effective_transactional_id_prefix(self) -> str:
+        return self.transactional_id_prefix or self.group_id
+
+    @property
+    def effective_watch_timeout_s(self) -> float:
+        """Watch renewals well inside the readiness bound, unless set."""
+        if self.watch_timeout_s is not None:
+            return self.watch_timeout_s
+        return max(1.0, min(15.0, self.readiness_bound_s / 2))
+
+    def kafka_client_args(self) -> dict[str, Any]:
+        """Connection settings shared by the consumer, producers and admin client."""
+        args: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap_servers,
+            "security_protocol": self.security_protocol,
+        }
+        if self.security_protocol.startswith("SASL_"):
+            args |= {
+                "sasl_mechanism": self.sasl_mechanism,
+                "sasl_plain_username": self.sasl_username,
+                "sasl_plain_password": self.sasl_password,
+            }
+        if self.security_protocol in {"SSL", "SASL_SSL"}:
+            args["ssl_context"] = self._ssl_context()
+        return args
+
+    def kafka_consumer_args(self) -> dict[str, Any]:
+        """Consumer-only settings (StreamSettings.consumer_args)."""
+        return {
+            "metadata_max_age_ms": int(self.metadata_max_age_s * 1000),
+            "session_timeout_ms": self.session_timeout_ms,
+        }
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        for field in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+            path = getattr(self, field)
+            if path and not os.path.exists(path):
+                raise ConfigError(f"{_ENV[field]}={path}: no such file")
+        try:
+            ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ssl_cafile)
+            if self.ssl_certfile:
+                # A callable, even for an unencrypted key: with no password OpenSSL would
+                # prompt on the terminal for an encrypted one instead of failing.
+                password = self.ssl_key_password or ""
+                ctx.load_cert_chain(self.ssl_certfile, self.ssl_keyfile, lambda: password)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            names = "KAFKA_SSL_CAFILE" + (
+                ", KAFKA_SSL_CERTFILE, KAFKA_SSL_KEYFILE, KAFKA_SSL_KEY_PASSWORD"
+                if self.ssl_certfile
+                else ""
+            )
+            raise ConfigError(f"cannot load the TLS files ({names}): {exc}") from None
+        return ctx
+
+    def redacted(self) -> dict[str, Any]:
+        """The settings for logs and ``check`` output, with secrets masked."""
+        return {
+            s.field: "***" if s.secret and getattr(self, s.field) else getattr(self, s.field)
+            for s in SETTINGS
+        }
+
+    def to_env(self) -> dict[str, str]:
+        """The variables that configure a child process exactly so (secrets included)."""
+        return {
+            s.env: _text(value) for s in SETTINGS if (value := getattr(self, s.field)) is not None
+        }
 
 
-def _positive_int(raw: str) -> int:
-    value = int(raw)
-    if value <= 0:
-        raise ValueError("must be a positive integer")
-    return value
+# (base, cap) pairs of back-offs: a cap below its base is a typo, not a tuning.
+_BACKOFFS = (
+    ("retry_backoff_s", "retry_backoff_max_s"),
+    ("conflict_backoff_s", "conflict_backoff_max_s"),
+    ("watch_backoff_s", "watch_backoff_max_s"),
+)
 
 
-def _port(raw: str) -> int:
-    value = int(raw)
-    if not 0 <= value <= 65535:
-        raise ValueError("must be a TCP port (0-65535)")
-    return value
-
-
-def _positive_float(raw: str) -> float:
-    value = float(raw)
-    if value <= 0:
-        raise ValueError("must be a positive number")
-    return value
-
-
-def _choice(*allowed: str) -> Callable[[str], str]:
-    def parse(raw: str) -> str:
-        value = raw.strip()
-        if value not in allowed:
-            raise ValueError(f"must be one of {', '.join(allowed)}")
-        return value
-
-    return parse
-
-
-def _text(raw: str) -> str:
-    return raw
-
-
-def _nonempty(raw: str) -> str:
-    if not raw.strip():
-        raise ValueError("must not be empty")
-    return raw.strip()
-
-
-def _log_level(raw: str) -> str:
-    value = raw.strip().upper()
-    if value not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
-        raise ValueError("must be one of DEBUG, INFO, WARNING, ERROR")
-    return value
+# ---------------------------------------------------------------------- the derived view
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One configurable value: its field, variable, default, parser and meaning.
+    """One field of :class:`Config` as the outside sees it: variable, flag, default, help.
 
-    A secret is masked in logs and errors, and has no value flag: a command line shows in
-    ``ps`` and in the pod spec. It comes from ``ENV``, or from the file named by
-    ``ENV_FILE`` / ``--<name>-file`` (a mounted Secret), never both.
+    Derived from the field's declaration; ``kind`` is its msgspec type (constraints
+    included) and ``hint`` the annotation that ``parse`` converts a variable's text to.
     """
 
     field: str
     env: str
-    default: str | None
-    parse: Callable[[str], Any]
+    default: str | None  # as written in a variable; None: unset
     help: str
-    secret: bool = False
+    secret: bool
+    hint: Any
+    kind: mi.Type
 
     @property
     def flag(self) -> str:
@@ -106,86 +466,99 @@ class Setting:
     def file_env(self) -> str:
         return f"{self.env}_FILE"
 
+    @property
+    def expects(self) -> str:
+        """What a valid value is, in words, from the type's constraints."""
+        return _describe(self.kind)
 
-SETTINGS: tuple[Setting, ...] = (
-    Setting("bootstrap_servers", "KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:19092", _nonempty,
-            "Kafka bootstrap servers, comma-separated host:port"),
-    Setting("security_protocol", "KAFKA_SECURITY_PROTOCOL", "PLAINTEXT",
-            _choice("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"), "Kafka security protocol"),
-    Setting("sasl_mechanism", "KAFKA_SASL_MECHANISM", None,
-            _choice("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"), "SASL mechanism (with SASL_*)"),
-    Setting("sasl_username", "KAFKA_SASL_USERNAME", None, _text, "SASL user name"),
-    Setting("sasl_password", "KAFKA_SASL_PASSWORD", None, _text, "SASL password", secret=True),
-    Setting("ssl_cafile", "KAFKA_SSL_CAFILE", None, _nonempty,
-            "CA bundle for the brokers' TLS certificates"),
-    Setting("ssl_certfile", "KAFKA_SSL_CERTFILE", None, _nonempty,
-            "Client certificate (PEM) for mutual TLS, e.g. a Strimzi KafkaUser's user.crt"),
-    Setting("ssl_keyfile", "KAFKA_SSL_KEYFILE", None, _nonempty,
-            "Private key (PEM) of the client certificate"),
-    Setting("ssl_key_password", "KAFKA_SSL_KEY_PASSWORD", None, _text,
-            "Password of an encrypted KAFKA_SSL_KEYFILE", secret=True),
-    Setting("input_topic", "CRS_INPUT_TOPIC", "nova.scheduling-outcomes", _nonempty,
-            "Topic of Nova scheduling outcomes (input)"),
-    Setting("output_topic", "CRS_OUTPUT_TOPIC", "cortex.crs.classifications", _nonempty,
-            "Topic of classification events (output)"),
-    Setting("dlq_topic", "CRS_DLQ_TOPIC", "nova.scheduling-outcomes.dlq", _nonempty,
-            "Dead-letter topic for events that cannot be processed"),
-    Setting("group_id", "CRS_GROUP_ID", "cortex-crs-consumer", _nonempty, "Kafka consumer group"),
-    Setting("exactly_once", "CRS_EXACTLY_ONCE", "true", _bool,
-            "Commit outputs and input offsets in one Kafka transaction"),
-    # --- stream engine (issue 11)
-    Setting("transactional_id_prefix", "CRS_TRANSACTIONAL_ID_PREFIX", None, _nonempty,
-            "Prefix of the per-partition transactional.id <prefix>-<topic>-<partition> "
-            "(default: the group id); the prefix of the TransactionalId ACL"),
-    Setting("max_in_flight", "CRS_MAX_IN_FLIGHT", "500", _positive_int,
-            "Records of one partition received but not committed before it is paused"),
-    Setting("key_concurrency", "CRS_KEY_CONCURRENCY", "256", _positive_int,
-            "Records with different keys processed at once per partition"),
-    Setting("commit_interval_ms", "CRS_COMMIT_INTERVAL_MS", "50", _positive_int,
-            "Least time between two commits (transactions) of a partition; the first "
-            "output after a quiet spell is committed at once"),
-    Setting("commit_max_records", "CRS_COMMIT_MAX_RECORDS", "500", _positive_int,
-            "A partition commits at once when this many decided records wait"),
-    Setting("revoke_wait_s", "CRS_REVOKE_WAIT_S", "2", _positive_float,
-            "On revoke, how long records in progress may finish before handover "
-            "(inside the rebalance: keep it well below the session timeout)"),
-    Setting("session_timeout_ms", "CRS_SESSION_TIMEOUT_MS", "10000", _positive_int,
-            "Kafka consumer group session timeout"),
-    Setting("conflict_timeout_s", "CRS_CONFLICT_TIMEOUT_S", "30", _positive_float,
-            "How long a placement keeps re-deciding after 409 conflicts before 'failed'"),
-    Setting("max_event_bytes", "CRS_MAX_EVENT_BYTES", "1048576", _positive_int,
-            "Larger input events are dead-lettered unread"),
-    Setting("max_attempts", "CRS_MAX_ATTEMPTS", "20", _positive_int,
-            "Attempts for an event failing on a retryable error before it is dead-lettered "
-            "(20 with the default back-off: about 8 minutes)"),
-    Setting("retry_backoff_s", "CRS_RETRY_BACKOFF_S", "0.5", _positive_float,
-            "First retry delay; doubles per attempt"),
-    Setting("retry_backoff_max_s", "CRS_RETRY_BACKOFF_MAX_S", "30", _positive_float,
-            "Cap of the retry delay"),
-    Setting("max_batch", "CRS_MAX_BATCH", "500", _positive_int,
-            "Most records fetched per poll"),
-    Setting("k8s_read_mode", "CRS_K8S_READ_MODE", "watch", _choice("watch", "list"),
-            "watch: informer cache, no API reads per event; list: read per event"),
-    Setting("k8s_timeout_s", "CRS_K8S_TIMEOUT_S", "10", _positive_float,
-            "Timeout of one Kubernetes API request"),
-    Setting("kubeconfig", "KUBECONFIG", None, _nonempty,
-            "kubeconfig file; unset: in-cluster service account"),
-    Setting("http_host", "CRS_HTTP_HOST", "127.0.0.1", _nonempty,
-            "Address of the HTTP server (/metrics, /healthz, /readyz)"),
-    Setting("http_port", "CRS_HTTP_PORT", "8080", _port, "Port of the HTTP server (0: any free)"),
-    Setting("log_level", "CRS_LOG_LEVEL", "INFO", _log_level, "DEBUG, INFO, WARNING or ERROR"),
-    Setting("log_format", "CRS_LOG_FORMAT", "json", _choice("json", "console"),
-            "json (one object per line) or console"),
-    Setting("shutdown_timeout_s", "CRS_SHUTDOWN_TIMEOUT_S", "30", _positive_float,
-            "Longest graceful shutdown before in-flight work is abandoned"),
-    # --- operability (health bounds, metadata refresh)
-    Setting("readiness_bound_s", "CRS_READINESS_BOUND_S", "30", _positive_float,
-            "/readyz fails when Kafka has been unreachable, or a watch has delivered "
-            "nothing, for longer than this"),
-    Setting("metadata_max_age_s", "CRS_METADATA_MAX_AGE_S", "15", _positive_float,
-            "Kafka metadata refresh period: a topic created after start is consumed "
-            "within about this"),
-)  # fmt: skip
+    def parse(self, raw: str, source: str) -> Any:
+        """The value of ``raw`` (the text of ``source``), or a ConfigError naming it."""
+        text = raw if self.secret else raw.strip()
+        choices = _choices(self.kind)
+        if choices:  # case does not matter for a choice: `info` is INFO
+            text = next((c for c in choices if c.lower() == text.lower()), text)
+        elif isinstance(_base(self.kind), mi.BoolType):
+            text = _BOOL_WORDS.get(text.lower(), text)
+        try:
+            return msgspec.convert(text, self.hint, strict=False)
+        except msgspec.ValidationError:
+            shown = "***" if self.secret else repr(raw)
+            raise ConfigError(f"{source}={shown}: must be {self.expects}") from None
+
+
+def _base(t: mi.Type) -> mi.Type:
+    """The type without its metadata and without the ``| None`` of an optional setting."""
+    if isinstance(t, mi.Metadata):
+        return _base(t.type)
+    if isinstance(t, mi.UnionType):
+        (inner,) = [u for u in t.types if not isinstance(u, mi.NoneType)]
+        return _base(inner)
+    return t
+
+
+def _choices(t: mi.Type) -> tuple[str, ...]:
+    base = _base(t)
+    return tuple(map(str, base.values)) if isinstance(base, mi.LiteralType) else ()
+
+
+def _describe(t: mi.Type) -> str:
+    base = _base(t)
+    if isinstance(base, mi.LiteralType):
+        return "one of " + ", ".join(map(str, base.values))
+    if isinstance(base, mi.BoolType):
+        return "true or false"
+    if isinstance(base, mi.IntType | mi.FloatType):
+        noun = "integer" if isinstance(base, mi.IntType) else "number"
+        if base.gt == 0:
+            return f"a positive {noun}"
+        article = "an" if noun == "integer" else "a"
+        if base.ge is not None and base.le is not None:
+            return f"{article} {noun} from {base.ge} to {base.le}"
+        if base.ge is not None:
+            return f"{article} {noun} >= {base.ge}"
+        return f"{article} {noun}"
+    if isinstance(base, mi.StrType) and base.min_length:
+        return "a non-empty text"
+    return f"a {type(base).__name__.removesuffix('Type').lower()}"
+
+
+def _text(value: object) -> str:
+    """``value`` as written in a variable: ``true``, ``2``, ``0.5``."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _settings(cls: type[msgspec.Struct]) -> tuple[Setting, ...]:
+    """The settings declared by the fields of ``cls``; each must have _env(...) and a default."""
+    hints = get_type_hints(cls, include_extras=True)
+    info = mi.type_info(cls)
+    assert isinstance(info, mi.StructType)
+    out = []
+    for f in info.fields:
+        meta = f.type
+        if not isinstance(meta, mi.Metadata) or not meta.extra or not meta.extra_json_schema:
+            raise TypeError(f"{cls.__name__}.{f.name} is declared without _env(...)")
+        if f.required:
+            raise TypeError(f"{cls.__name__}.{f.name} has no default")
+        out.append(
+            Setting(
+                field=f.name,
+                env=meta.extra["env"],
+                default=None if f.default is None else _text(f.default),
+                help=meta.extra_json_schema["description"],
+                secret=meta.extra["secret"],
+                hint=hints[f.name],
+                kind=meta,
+            )
+        )
+    return tuple(out)
+
+
+SETTINGS: tuple[Setting, ...] = _settings(Config)
+_ENV = {s.field: s.env for s in SETTINGS}
 
 
 def _raw_value(
@@ -215,155 +588,3 @@ def _read_secret(path: str, source: str) -> str | None:
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
         raise ConfigError(f"{source}={path!r}: cannot read the secret file: {reason}") from None
-
-
-@dataclass(frozen=True)
-class Config:
-    bootstrap_servers: str
-    security_protocol: str
-    sasl_mechanism: str | None
-    sasl_username: str | None
-    sasl_password: str | None
-    ssl_cafile: str | None
-    ssl_certfile: str | None
-    ssl_keyfile: str | None
-    ssl_key_password: str | None
-    input_topic: str
-    output_topic: str
-    dlq_topic: str
-    group_id: str
-    exactly_once: bool
-    transactional_id_prefix: str | None
-    max_in_flight: int
-    key_concurrency: int
-    commit_interval_ms: int
-    commit_max_records: int
-    revoke_wait_s: float
-    session_timeout_ms: int
-    conflict_timeout_s: float
-    max_event_bytes: int
-    max_attempts: int
-    retry_backoff_s: float
-    retry_backoff_max_s: float
-    max_batch: int
-    k8s_read_mode: str
-    k8s_timeout_s: float
-    kubeconfig: str | None
-    http_host: str
-    http_port: int
-    log_level: str
-    log_format: str
-    shutdown_timeout_s: float
-    # --- operability
-    readiness_bound_s: float
-    metadata_max_age_s: float
-
-    @classmethod
-    def load(
-        cls,
-        env: Mapping[str, str] | None = None,
-        overrides: Mapping[str, str | None] | None = None,
-    ) -> Config:
-        """Build from ``env`` (default ``os.environ``), then ``overrides`` (by field)."""
-        env = os.environ if env is None else env
-        overrides = overrides or {}
-        values: dict[str, Any] = {}
-        for s in SETTINGS:
-            raw, source = _raw_value(s, env, overrides)
-            if raw is None:
-                raw = s.default
-                source = f"{s.env} (default)"
-            if raw is None:
-                values[s.field] = None
-                continue
-            try:
-                values[s.field] = s.parse(raw)
-            except ValueError as exc:
-                shown = "***" if s.secret else repr(raw)
-                raise ConfigError(f"{source}={shown}: {exc}") from None
-        config = cls(**values)
-        config._check_consistency()
-        return config
-
-    def _check_consistency(self) -> None:
-        if self.security_protocol.startswith("SASL_"):
-            for s in SETTINGS:
-                if s.field in {"sasl_mechanism", "sasl_username", "sasl_password"} and not getattr(
-                    self, s.field
-                ):
-                    raise ConfigError(f"{s.env} is required when KAFKA_SECURITY_PROTOCOL is SASL_*")
-        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
-            raise ConfigError("KAFKA_SSL_CERTFILE and KAFKA_SSL_KEYFILE go together (mutual TLS)")
-        if self.ssl_key_password and not self.ssl_keyfile:
-            raise ConfigError("KAFKA_SSL_KEY_PASSWORD needs KAFKA_SSL_KEYFILE")
-        tls = self.security_protocol in {"SSL", "SASL_SSL"}
-        for s in SETTINGS:
-            if s.field in _CLIENT_TLS and getattr(self, s.field) and not tls:
-                raise ConfigError(f"{s.env} needs KAFKA_SECURITY_PROTOCOL SSL or SASL_SSL")
-        if tls:
-            self.kafka_client_args()  # unreadable or mismatched TLS files fail here, by name
-        if len({self.input_topic, self.output_topic, self.dlq_topic}) != 3:
-            raise ConfigError("CRS_INPUT_TOPIC, CRS_OUTPUT_TOPIC and CRS_DLQ_TOPIC must differ")
-        if self.revoke_wait_s * 1000 > self.session_timeout_ms / 2:
-            raise ConfigError("CRS_REVOKE_WAIT_S must be at most half of CRS_SESSION_TIMEOUT_MS")
-        if self.retry_backoff_max_s < self.retry_backoff_s:
-            raise ConfigError("CRS_RETRY_BACKOFF_MAX_S must be >= CRS_RETRY_BACKOFF_S")
-
-    @property
-    def effective_transactional_id_prefix(self) -> str:
-        return self.transactional_id_prefix or self.group_id
-
-    def kafka_client_args(self) -> dict[str, Any]:
-        """Connection settings shared by the consumer, producers and admin client."""
-        args: dict[str, Any] = {
-            "bootstrap_servers": self.bootstrap_servers,
-            "security_protocol": self.security_protocol,
-        }
-        if self.security_protocol.startswith("SASL_"):
-            args |= {
-                "sasl_mechanism": self.sasl_mechanism,
-                "sasl_plain_username": self.sasl_username,
-                "sasl_plain_password": self.sasl_password,
-            }
-        if self.security_protocol in {"SSL", "SASL_SSL"}:
-            args["ssl_context"] = self._ssl_context()
-        return args
-
-    def kafka_consumer_args(self) -> dict[str, Any]:
-        """Consumer-only settings (StreamSettings.consumer_args)."""
-        return {
-            "metadata_max_age_ms": int(self.metadata_max_age_s * 1000),
-            "session_timeout_ms": self.session_timeout_ms,
-        }
-
-    def _ssl_context(self) -> ssl.SSLContext:
-        for env, path in (
-            ("KAFKA_SSL_CAFILE", self.ssl_cafile),
-            ("KAFKA_SSL_CERTFILE", self.ssl_certfile),
-            ("KAFKA_SSL_KEYFILE", self.ssl_keyfile),
-        ):
-            if path and not os.path.exists(path):
-                raise ConfigError(f"{env}={path}: no such file")
-        try:
-            ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ssl_cafile)
-            if self.ssl_certfile:
-                # A callable, even for an unencrypted key: with no password OpenSSL would
-                # prompt on the terminal for an encrypted one instead of failing.
-                password = self.ssl_key_password or ""
-                ctx.load_cert_chain(self.ssl_certfile, self.ssl_keyfile, lambda: password)
-        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-            names = "KAFKA_SSL_CAFILE" + (
-                ", KAFKA_SSL_CERTFILE, KAFKA_SSL_KEYFILE, KAFKA_SSL_KEY_PASSWORD"
-                if self.ssl_certfile
-                else ""
-            )
-            raise ConfigError(f"cannot load the TLS files ({names}): {exc}") from None
-        return ctx
-
-    def redacted(self) -> dict[str, Any]:
-        """The settings for logs and ``check`` output, with secrets masked."""
-        secret = {s.field for s in SETTINGS if s.secret}
-        return {
-            f.name: ("***" if f.name in secret and getattr(self, f.name) else getattr(self, f.name))
-            for f in fields(self)
-        }

@@ -15,7 +15,7 @@ import signal
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypedDict
 
 import aiohttp
 import structlog
@@ -34,13 +34,80 @@ from service.stream.kafka_probe import KafkaProbe
 from service.stream.metrics import StreamMetrics
 from service.stream.processor import Processor
 
-__all__ = ["Runtime", "run_service"]
+__all__ = ["Runtime", "recorder_options", "run_service", "stream_settings", "watch_options"]
 
 log = structlog.get_logger(__name__)
 
-# A consume loop that has not turned for this long is wedged (per-poll work is bounded
-# by the partition budget plus one Kubernetes timeout).
-_LOOP_STALE_S = 180.0
+
+# ---------------------------------------------------------------------- config -> parts
+# Each part's options from the Config, as plain functions. The option dicts are typed,
+# so mypy checks them against the constructors' signatures at the ``**`` call.
+
+
+class RecorderOptions(TypedDict):
+    conflict_timeout_s: float
+    max_conflict_retries: int | None
+    backoff_s: float
+    backoff_max_s: float
+
+
+class WatchOptions(TypedDict):
+    page_size: int
+    watch_timeout_s: float
+    idle_timeout_s: float
+    silence_bound_s: float
+    stale_after_s: float
+    backoff_base_s: float
+    backoff_max_s: float
+
+
+def stream_settings(c: Config) -> StreamSettings:
+    return StreamSettings(
+        input_topic=c.input_topic,
+        group_id=c.group_id,
+        exactly_once=c.exactly_once,
+        transactional_id_prefix=c.effective_transactional_id_prefix,
+        max_batch=c.max_batch,
+        max_in_flight=c.max_in_flight,
+        key_concurrency=c.key_concurrency,
+        commit_interval_ms=c.commit_interval_ms,
+        commit_max_records=c.commit_max_records,
+        retry_backoff_s=c.retry_backoff_s,
+        retry_backoff_max_s=c.retry_backoff_max_s,
+        revoke_wait_s=c.revoke_wait_s,
+        stop_wait_s=c.shutdown_timeout_s / 3,
+        fence_recheck_s=c.fence_recheck_s,
+        commit_timeout_s=c.commit_timeout_s,
+        poll_timeout_ms=c.poll_timeout_ms,
+        client_args=c.kafka_client_args(),
+        consumer_args=c.kafka_consumer_args(),
+    )
+
+
+def recorder_options(c: Config) -> RecorderOptions:
+    """Keyword arguments of :class:`Recorder` (after the state and counters)."""
+    return {
+        "conflict_timeout_s": c.conflict_timeout_s,
+        "max_conflict_retries": c.conflict_retries,
+        "backoff_s": c.conflict_backoff_s,
+        "backoff_max_s": c.conflict_backoff_max_s,
+    }
+
+
+def watch_options(c: Config) -> WatchOptions:
+    """Keyword arguments of :class:`WatchClusterState` (after the client)."""
+    bound = c.readiness_bound_s
+    return {
+        "page_size": c.k8s_page_size,
+        # Renewals inside the readiness bound: a renewal is a sign of life, so a
+        # healthy watch on a quiet kind never looks silent.
+        "watch_timeout_s": c.effective_watch_timeout_s,
+        "idle_timeout_s": bound,
+        "silence_bound_s": bound,
+        "stale_after_s": c.watch_stale_after_s,
+        "backoff_base_s": c.watch_backoff_s,
+        "backoff_max_s": c.watch_backoff_max_s,
+    }
 
 
 class Runtime:
@@ -68,7 +135,7 @@ class Runtime:
             self.state,
             placement_counter=self.metrics.placement,
             no_host_found_counter=self.metrics.no_host_found,
-            conflict_timeout_s=c.conflict_timeout_s,
+            **recorder_options(c),
         )
         processor = Processor(
             recorder,
@@ -78,24 +145,7 @@ class Runtime:
             max_event_bytes=c.max_event_bytes,
             max_attempts=c.max_attempts,
         )
-        settings = StreamSettings(
-            input_topic=c.input_topic,
-            group_id=c.group_id,
-            exactly_once=c.exactly_once,
-            transactional_id_prefix=c.effective_transactional_id_prefix,
-            max_batch=c.max_batch,
-            max_in_flight=c.max_in_flight,
-            key_concurrency=c.key_concurrency,
-            commit_interval_ms=c.commit_interval_ms,
-            commit_max_records=c.commit_max_records,
-            retry_backoff_s=c.retry_backoff_s,
-            retry_backoff_max_s=c.retry_backoff_max_s,
-            revoke_wait_s=c.revoke_wait_s,
-            stop_wait_s=c.shutdown_timeout_s / 3,
-            client_args=c.kafka_client_args(),
-            consumer_args=c.kafka_consumer_args(),
-        )
-        self.stream = StreamService(settings, processor, self.metrics)
+        self.stream = StreamService(stream_settings(c), processor, self.metrics)
         self.http = HttpServer(
             self.metrics.registry,
             HealthChecks(alive=self._alive, ready=self._ready),
@@ -117,18 +167,10 @@ class Runtime:
     async def _make_state(self) -> ListClusterState | WatchClusterState:
         assert self.client is not None
         if self.config.k8s_read_mode == "watch":
-            bound = self.config.readiness_bound_s
-            # Watch renewals well inside the readiness bound: a renewal is a sign of
-            # life, so a healthy watch on a quiet kind never looks silent.
-            state = WatchClusterState(
-                self.client,
-                watch_timeout_s=max(1.0, min(15.0, bound / 2)),
-                idle_timeout_s=bound,
-                silence_bound_s=bound,
-            )
+            state = WatchClusterState(self.client, **watch_options(self.config))
             await state.start()
             return state
-        return ListClusterState(self.client)
+        return ListClusterState(self.client, page_size=self.config.k8s_page_size)
 
     async def run(self) -> None:
         assert self.stream is not None
@@ -167,7 +209,9 @@ class Runtime:
             return False, f"event loop stalled for {stalled:.1f}s"
         if self.stream is not None and self.stream.started:
             idle = time.monotonic() - self.stream.last_loop
-            if idle > _LOOP_STALE_S:
+            # Per-poll work is bounded by the partition budget plus one Kubernetes
+            # timeout: a loop idle for longer than the bound is wedged.
+            if idle > self.config.liveness_bound_s:
                 return False, f"consume loop has not turned for {idle:.0f}s"
         return True, "ok"
 

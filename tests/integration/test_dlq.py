@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from service.app.config import SETTINGS, Config
+from service.app.config import Config
 from tests import e2e
 from tests.conftest import REPO, DevStack
 from tests.integration.test_service_resilience import allocations_by_vm
@@ -37,11 +37,7 @@ async def topics(new_topic: Any) -> dict[str, str]:
 
 
 def cli(cfg: Config, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ}
-    for s in SETTINGS:
-        value = getattr(cfg, s.field)
-        if value is not None:
-            env[s.env] = str(value).lower() if isinstance(value, bool) else str(value)
+    env = {**os.environ, **cfg.to_env()}
     return subprocess.run(
         [sys.executable, "-m", "service", *args],
         cwd=REPO,

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
 import ssl
 import subprocess
 import sys
 from pathlib import Path
+from typing import Annotated
 
+import msgspec
 import pytest
 
+from service.app import config as config_module
 from service.app.cli import build_parser, main
 from service.app.config import SETTINGS, Config, ConfigError
 from tests.conftest import REPO
@@ -27,6 +31,58 @@ def test_defaults_work_on_the_dev_stack() -> None:
     assert c.http_port == 8080
     assert c.k8s_read_mode == "watch"
     assert c.kubeconfig is None  # in-cluster unless KUBECONFIG is set
+
+
+def test_every_default_meets_its_own_constraint() -> None:
+    # Defaults are typed values, not parsed text: a strict round trip checks each against
+    # the constraint of its field (a default of 0 for a positive setting fails here).
+    defaults = msgspec.structs.asdict(Config())
+    assert msgspec.convert(defaults, Config) == Config()
+    assert {s.field for s in SETTINGS} == set(defaults)
+
+
+def test_a_field_without_variable_or_default_is_refused_at_import() -> None:
+    class Undeclared(msgspec.Struct):
+        knob: int = 1
+
+    class NoDefault(msgspec.Struct):
+        knob: Annotated[int, config_module._env("CRS_KNOB", "A knob")]
+
+    with pytest.raises(TypeError, match=r"Undeclared\.knob is declared without _env"):
+        config_module._settings(Undeclared)
+    with pytest.raises(TypeError, match=r"NoDefault\.knob has no default"):
+        config_module._settings(NoDefault)
+
+
+def test_the_variables_the_service_names_are_its_settings() -> None:
+    # Error and check messages name variables by hand: each must be a real one.
+    known = {s.env for s in SETTINGS} | {s.file_env for s in SETTINGS if s.secret}
+    for path in (REPO / "service").rglob("*.py"):
+        named = set(re.findall(r"\b(?:CRS|KAFKA)_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+        assert named <= known, f"{path.name} names unknown variables: {sorted(named - known)}"
+
+
+def test_choices_ignore_case_and_booleans_take_words() -> None:
+    c = Config.load(env={"CRS_LOG_LEVEL": "debug", "CRS_EXACTLY_ONCE": "off",
+                         "CRS_K8S_READ_MODE": " List "})  # fmt: skip
+    assert (c.log_level, c.exactly_once, c.k8s_read_mode) == ("DEBUG", False, "list")
+    assert Config.load(env={"CRS_EXACTLY_ONCE": "Yes"}).exactly_once is True
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"CRS_HTTP_PORT": "70000"}, "CRS_HTTP_PORT='70000': must be an integer from 0 to 65535"),
+        ({"CRS_MAX_BATCH": "1.5"}, "CRS_MAX_BATCH='1.5': must be a positive integer"),
+        ({"CRS_REVOKE_WAIT_S": "0"}, "CRS_REVOKE_WAIT_S='0': must be a positive number"),
+        ({"CRS_LOG_FORMAT": "xml"}, "CRS_LOG_FORMAT='xml': must be one of console, json"),
+        ({"CRS_GROUP_ID": " "}, "CRS_GROUP_ID=' ': must be a non-empty text"),
+    ],
+)
+def test_errors_say_what_the_constraint_wants(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        Config.load(env=env)
+    assert str(err.value) == message
 
 
 def test_environment_then_cli_override() -> None:
@@ -48,6 +104,13 @@ def test_environment_then_cli_override() -> None:
         ({"CRS_LOG_FORMAT": "xml"}, "CRS_LOG_FORMAT"),
         ({"KAFKA_SECURITY_PROTOCOL": "SASL_SSL"}, "KAFKA_SASL_MECHANISM"),
         ({"CRS_OUTPUT_TOPIC": "nova.scheduling-outcomes"}, "CRS_OUTPUT_TOPIC"),
+        ({"CRS_CONFLICT_RETRIES": "-1"}, "CRS_CONFLICT_RETRIES"),
+        ({"CRS_CONFLICT_BACKOFF_MAX_S": "0.001"}, "CRS_CONFLICT_BACKOFF_MAX_S"),
+        ({"CRS_WATCH_BACKOFF_S": "60"}, "CRS_WATCH_BACKOFF_MAX_S"),
+        ({"CRS_WATCH_TIMEOUT_S": "0.5"}, "CRS_WATCH_TIMEOUT_S"),  # the server counts seconds
+        ({"CRS_WATCH_TIMEOUT_S": "20"}, "CRS_WATCH_TIMEOUT_S must be at most half of"),
+        ({"CRS_K8S_PAGE_SIZE": "0"}, "CRS_K8S_PAGE_SIZE"),
+        ({"CRS_LIVENESS_BOUND_S": "never"}, "CRS_LIVENESS_BOUND_S"),
     ],
 )
 def test_invalid_values_name_the_variable(env: dict[str, str], named: str) -> None:
@@ -272,3 +335,19 @@ def test_bad_client_tls_settings_name_the_variable(
         env[key] = client_cert.get(value, value) if value else value
     with pytest.raises(ConfigError, match=named):
         Config.load(env={k: v for k, v in env.items() if v is not None})
+
+
+def test_to_env_configures_a_child_process_exactly_so() -> None:
+    # The subprocess helpers of the tests and benchmarks start the service from this.
+    env = {
+        **SASL,
+        "KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+        "KAFKA_SASL_PASSWORD": "pw",
+        "CRS_EXACTLY_ONCE": "false",
+        "CRS_REVOKE_WAIT_S": "0.25",
+        "CRS_HTTP_PORT": "0",
+    }
+    config = Config.load(env=env)
+    assert Config.load(env=config.to_env()) == config
+    assert config.to_env()["CRS_EXACTLY_ONCE"] == "false"
+    assert Config.load(env=Config().to_env()) == Config()

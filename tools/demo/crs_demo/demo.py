@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import random
 import sys
 import tempfile
@@ -136,7 +135,7 @@ async def demo(config: Config, *, events: int = 300, rng_seed: int = 7) -> int:
     from service.app.runtime import Runtime
 
     run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:4]
-    cfg = dataclasses.replace(
+    cfg = msgspec.structs.replace(
         config,
         input_topic=f"crs-demo-{run_id}.outcomes",
         output_topic=f"crs-demo-{run_id}.classifications",
@@ -176,7 +175,7 @@ async def demo(config: Config, *, events: int = 300, rng_seed: int = 7) -> int:
             runtime = Runtime(cfg)
             await runtime.start()
         except OSError:  # the default port is taken: any free port will do for a demo
-            runtime = Runtime(dataclasses.replace(cfg, http_port=0))
+            runtime = Runtime(msgspec.structs.replace(cfg, http_port=0))
             await runtime.start()
         assert runtime.http is not None
         assert runtime.stream is not None

@@ -1,0 +1,93 @@
+"""Every tuning setting reaches the part it tunes (runtime's config -> parts functions)."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any
+
+from service.app.config import Config
+from service.app.runtime import Runtime, recorder_options, stream_settings, watch_options
+from service.crs import Recorder
+from service.k8s.cache import WatchClusterState
+
+# Non-default values of the knobs, each distinct so a swapped wire shows.
+TUNED = {
+    "CRS_POLL_TIMEOUT_MS": "123",
+    "CRS_COMMIT_TIMEOUT_S": "7.5",
+    "CRS_FENCE_RECHECK_S": "3.25",
+    "CRS_CONFLICT_TIMEOUT_S": "11",
+    "CRS_CONFLICT_RETRIES": "4",
+    "CRS_CONFLICT_BACKOFF_S": "0.02",
+    "CRS_CONFLICT_BACKOFF_MAX_S": "0.75",
+    "CRS_K8S_PAGE_SIZE": "77",
+    "CRS_READINESS_BOUND_S": "40",
+    "CRS_WATCH_TIMEOUT_S": "9",
+    "CRS_WATCH_STALE_AFTER_S": "45",
+    "CRS_WATCH_BACKOFF_S": "0.25",
+    "CRS_WATCH_BACKOFF_MAX_S": "12",
+    "CRS_SHUTDOWN_TIMEOUT_S": "21",
+}
+
+
+def test_stream_settings_carry_the_engine_knobs() -> None:
+    s = stream_settings(Config.load(env=TUNED))
+    assert (s.poll_timeout_ms, s.commit_timeout_s, s.fence_recheck_s) == (123, 7.5, 3.25)
+    assert s.stop_wait_s == 7.0  # a third of the shutdown budget
+    assert s.consumer_args["session_timeout_ms"] == 10000
+
+
+def test_recorder_options_carry_the_conflict_knobs() -> None:
+    opts = recorder_options(Config.load(env=TUNED))
+    assert opts == {
+        "conflict_timeout_s": 11.0,
+        "max_conflict_retries": 4,
+        "backoff_s": 0.02,
+        "backoff_max_s": 0.75,
+    }
+    # Unset, the retry count is unbounded (only the timeout bounds the conflicts).
+    assert recorder_options(Config())["max_conflict_retries"] is None
+    inspect.signature(Recorder).bind(None, **opts)
+
+
+def test_watch_options_carry_the_watch_knobs() -> None:
+    opts = watch_options(Config.load(env=TUNED))
+    assert opts == {
+        "page_size": 77,
+        "watch_timeout_s": 9.0,
+        "idle_timeout_s": 40.0,
+        "silence_bound_s": 40.0,
+        "stale_after_s": 45.0,
+        "backoff_base_s": 0.25,
+        "backoff_max_s": 12.0,
+    }
+    inspect.signature(WatchClusterState).bind(None, **opts)
+
+
+def test_the_watch_renewal_defaults_to_within_the_readiness_bound() -> None:
+    assert watch_options(Config())["watch_timeout_s"] == 15.0
+    short = Config.load(env={"CRS_READINESS_BOUND_S": "6"})
+    assert watch_options(short)["watch_timeout_s"] == 3.0
+    assert watch_options(Config.load(env={"CRS_READINESS_BOUND_S": "1"}))["watch_timeout_s"] == 1
+
+
+class _Loop:
+    started = True
+
+    def __init__(self, idle_s: float) -> None:
+        self.last_loop = time.monotonic() - idle_s
+
+
+def test_liveness_fails_after_the_configured_bound() -> None:
+    runtime = Runtime(Config.load(env={"CRS_LIVENESS_BOUND_S": "5"}))
+    fake: Any = runtime
+    fake.stream = _Loop(idle_s=10)
+    ok, detail = runtime._alive()
+    assert not ok
+    assert "has not turned for 10s" in detail
+    fake.stream = _Loop(idle_s=2)
+    assert runtime._alive() == (True, "ok")
+    default = Runtime(Config())
+    fake = default
+    fake.stream = _Loop(idle_s=10)  # well inside the default 180 s
+    assert default._alive() == (True, "ok")
