@@ -490,7 +490,6 @@ def service_config(
         "CRS_OUTPUT_TOPIC": topics["output"],
         "CRS_DLQ_TOPIC": topics["dlq"],
         "CRS_GROUP_ID": f"g-{fresh}",
-        "CRS_TRANSACTIONAL_ID": f"tx-{fresh}",
         "CRS_HTTP_PORT": "0",
         "CRS_K8S_READ_MODE": "watch",
         "CRS_EXACTLY_ONCE": "true",

@@ -101,7 +101,6 @@ async def main() -> None:
         "CRS_OUTPUT_TOPIC": topics["output"],
         "CRS_DLQ_TOPIC": topics["dlq"],
         "CRS_GROUP_ID": f"g-{tag}",
-        "CRS_TRANSACTIONAL_ID": f"tx-{tag}",
         "CRS_HTTP_PORT": str(port),
     }
     with log_path.open("wb") as log:
