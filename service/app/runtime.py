@@ -21,6 +21,7 @@ import aiohttp
 import structlog
 from aiokafka import errors as kafka_errors
 
+from service import backoff
 from service.app.config import Config
 from service.app.http import HealthChecks, HttpServer, LoopWatchdog
 from service.app.kafka_access import ensure_access as ensure_kafka_access
@@ -406,7 +407,7 @@ async def _start_with_retry(runtime: Runtime, stop: asyncio.Event) -> Runtime | 
             if not transient:
                 log.error("startup_failed", error=error, hint="configuration error; not retried")
                 return None
-        delay = min(config.retry_backoff_s * 2.0 ** (attempt - 1), config.retry_backoff_max_s)
+        delay = backoff.exponential(attempt, config.retry_backoff_s, config.retry_backoff_max_s)
         log.warning("startup_retrying", error=error, attempt=attempt, retry_in_s=delay)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), delay)

@@ -24,6 +24,7 @@ from typing import Protocol
 
 import structlog
 
+from service import backoff
 from service.crs.classify import CrSlot, classify_no_host_found, classify_placement
 from service.crs.commitments import active_commitments
 from service.crs.evaluator import is_slot, pick_slot, reservation_remaining_memory
@@ -381,7 +382,7 @@ class Recorder:
         return lock
 
     def _backoff(self, conflicts: int) -> float:
-        base = min(self._backoff_s * 2.0 ** min(conflicts - 1, 16), self._backoff_max_s)
+        base = backoff.exponential(conflicts, self._backoff_s, self._backoff_max_s)
         return base * (1.0 + self._jitter * self._random.random())
 
     def _count_placement(self, flavor_group: str, intent: str, cr_slot: CrSlot) -> None:
