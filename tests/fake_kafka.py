@@ -148,6 +148,7 @@ class FakeConsumer:
         self.listener: Any = None
         self._coordinator = _Coordinator(self)
         self.commits: list[dict[TopicPartition, OffsetAndMetadata]] = []
+        self.asked: list[set[TopicPartition]] = []  # the partitions each getmany asked for
 
     async def start(self) -> None:
         pass
@@ -195,13 +196,15 @@ class FakeConsumer:
             self.broker.committed[(self.group_id, tp)] = om
 
     async def getmany(
-        self, timeout_ms: int = 0, max_records: int | None = None
+        self, *partitions: TopicPartition, timeout_ms: int = 0, max_records: int | None = None
     ) -> dict[TopicPartition, list[Rec]]:
         if self.broker.fail_fetches:
             raise self.broker.fail_fetches.pop(0)
         limit = max_records or self.max_records
         out: dict[TopicPartition, list[Rec]] = {}
-        for tp in sorted(self._assigned - self._paused):
+        wanted = set(partitions) if partitions else self._assigned
+        self.asked.append(set(wanted))
+        for tp in sorted((self._assigned & wanted) - self._paused):
             log = self.broker.logs.get(tp, [])
             pos = self.positions.get(tp, 0)
             chunk = log[pos : pos + limit]

@@ -207,6 +207,7 @@ class StreamService:
         # letter from then on, across re-acquisitions (reprocessing would refuse again).
         self._oversized: dict[TopicPartition, set[int]] = {}
         self._stopping = asyncio.Event()
+        self._capacity = asyncio.Event()  # a backpressured partition has room again
         self._background: set[asyncio.Task[Any]] = set()
         self.started = False
         self.last_loop = clock()
@@ -276,9 +277,20 @@ class StreamService:
         failures = 0
         while not self._stopping.is_set():
             self.last_loop = self._clock()
+            # Backpressure by asking only for the partitions with room, not by pausing
+            # the others: aiokafka throws a paused partition's fetched records away and
+            # fetches them again on resume (measured: +40 % CPU per event in a backlog).
+            # A partition left out keeps one fetched response buffered, no more.
+            open_tps = [tp for tp, part in self._parts.items() if not part.backpressured]
+            if not open_tps:
+                self._capacity.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._capacity.wait(), self._s.poll_timeout_ms / 1000)
+                self._update_lag()
+                continue
             try:
                 batch: dict[TopicPartition, list[ConsumerRecord]] = await consumer.getmany(
-                    timeout_ms=self._s.poll_timeout_ms, max_records=self._s.max_batch
+                    *open_tps, timeout_ms=self._s.poll_timeout_ms, max_records=self._s.max_batch
                 )
             except KafkaError as exc:
                 # The fetch itself failed (e.g. the group or input ACL was revoked): the
@@ -321,8 +333,7 @@ class StreamService:
             part.ready.append(key)
         self._staff(part)
         if part.ledger.in_flight >= self._s.max_in_flight and not part.backpressured:
-            part.backpressured = True
-            self._consumer.pause(part.tp)
+            part.backpressured = True  # left out of the next fetches (see run)
         self._metrics.in_flight.labels(part.tp.topic, str(part.tp.partition)).set(
             part.ledger.in_flight
         )
@@ -540,8 +551,7 @@ class StreamService:
         self._metrics.in_flight.labels(tp.topic, str(tp.partition)).set(part.ledger.in_flight)
         if part.backpressured and part.ledger.in_flight < self._s.max_in_flight // 2:
             part.backpressured = False
-            if tp in self._consumer.assignment():
-                self._consumer.resume(tp)
+            self._capacity.set()
         return True
 
     async def _send(self, part: _Partition, plan: CommitPlan[_Done]) -> None:
