@@ -116,9 +116,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
         PositiveInt,
         _env(
             "CRS_MAX_IN_FLIGHT",
-            "Records of one partition received but not committed before it is paused",
+            "Records of one partition received but not committed before it is fetched no more",
         ),
-    ] = 500
+    ] = 2000
     key_concurrency: Annotated[
         PositiveInt,
         _env("CRS_KEY_CONCURRENCY", "Records with different keys processed at once per partition"),

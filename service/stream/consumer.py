@@ -104,7 +104,7 @@ class StreamSettings:
     # transactional.id = <prefix>-<topic>-<partition>; default: the group id.
     transactional_id_prefix: str | None = None
     max_batch: int = 500  # records per fetch
-    max_in_flight: int = 500  # per partition, received but not committed
+    max_in_flight: int = 2000  # per partition, received but not committed
     key_concurrency: int = 256  # per partition, keys processed at once
     commit_interval_ms: int = 50
     commit_max_records: int = 500
