@@ -63,11 +63,10 @@ from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
 from service import backoff
 from service.stream import deferred
-from service.stream.codec import INTERNAL_ERROR, OUTPUT_REJECTED, InputRef, clip, decode_input
+from service.stream.codec import INTERNAL_ERROR, OUTPUT_REJECTED, InputRef, decode_input
 from service.stream.ledger import CommitPlan, Ledger
 from service.stream.metrics import StreamMetrics
 from service.stream.processor import (
-    DeadLetterSource,
     OutRecord,
     Processor,
     RetryLater,
@@ -155,7 +154,6 @@ class _Partition:
         self.free = 0  # workers not running a lane (idle, or started and not yet busy)
         self.has_ready = asyncio.Event()
         self.wake = asyncio.Event()
-        self.oldest_done: float | None = None
         self.committer: asyncio.Task[None] | None = None
         self.draining = False  # no new records start (revoke, stop)
         self.closed = False  # dropped: nothing of it may be committed any more
@@ -417,8 +415,6 @@ class StreamService:
                     return
                 lane.popleft()
                 part.ledger.complete(record.offset, done)
-                if part.oldest_done is None:
-                    part.oldest_done = self._clock()
                 part.wake.set()
         finally:
             if not lane and part.lanes.get(key) is lane:
@@ -444,7 +440,10 @@ class StreamService:
                         partition=tp.partition,
                         offset=record.offset,
                     )
-                    out = self._internal_error(ref, record, exc)
+                    reason = f"{type(exc).__name__}: {exc}"
+                    out = self._processor.stub(
+                        ref, record.key, record.value, INTERNAL_ERROR, reason
+                    )
             if out is not None:
                 if record.offset in self._oversized.get(tp, ()):
                     out = self._stub(out, ref, record)
@@ -453,12 +452,6 @@ class StreamService:
             await asyncio.sleep(self._backoff(attempt))
             attempt += 1
 
-    def _internal_error(self, ref: InputRef, record: ConsumerRecord, exc: Exception) -> OutRecord:
-        reason = clip(f"{type(exc).__name__}: {exc}")
-        source = DeadLetterSource(ref, INTERNAL_ERROR, reason, record.key, record.value)
-        dlq = self._processor.dlq_topic
-        return stub_dead_letter(OutRecord(dlq, None, None, [], dead_letter=True, source=source))
-
     def _stub(self, out: OutRecord, ref: InputRef, record: ConsumerRecord) -> OutRecord:
         """What to publish instead of an output the broker refused (issue 10).
 
@@ -466,11 +459,13 @@ class StreamService:
         topic configured with a tiny max.message.bytes) becomes a stub dead letter with
         code ``output_rejected``, so the input still ends somewhere visible.
         """
+        error = "record refused by the broker as too large"
         if out.source is None:
             reason = f"the output topic {out.topic} refused the classification"
-            source = DeadLetterSource(ref, OUTPUT_REJECTED, reason, record.key, record.value)
-            out = OutRecord(self._processor.dlq_topic, None, None, [], True, source)
-        return stub_dead_letter(out, error="record refused by the broker as too large")
+            return self._processor.stub(
+                ref, record.key, record.value, OUTPUT_REJECTED, reason, error=error
+            )
+        return stub_dead_letter(out, error=error)
 
     # ------------------------------------------------------------------ commits
 
@@ -505,7 +500,6 @@ class StreamService:
     async def _commit_locked(self, part: _Partition) -> bool:
         plan = part.ledger.plan()
         if plan is None:
-            part.oldest_done = None
             return True
         tp = part.tp
         started = time.perf_counter()
@@ -537,8 +531,7 @@ class StreamService:
             self._commit_failed(part, exc)
             return False
         part.ledger.committed(plan)
-        part.oldest_done = self._clock() if part.ledger.done_uncommitted else None
-        if part.oldest_done is not None:
+        if part.ledger.done_uncommitted:  # decided while this commit ran: the next one
             part.wake.set()
         for _, done in plan.items:
             deferred.apply(done.counts)

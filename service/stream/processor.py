@@ -365,10 +365,26 @@ class Processor:
                     code=INTERNAL_ERROR,
                 )
             # The stub: the smallest dead letter, with the fewest ways to fail.
-            reason = clip(f"{type(exc).__name__}: {exc}")
-            source = DeadLetterSource(ref, INTERNAL_ERROR, reason, key, value)
-            out = OutRecord(self._dlq_topic, None, None, [], dead_letter=True, source=source)
-            return stub_dead_letter(out)
+            return self.stub(ref, key, value, INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
+
+    def stub(
+        self,
+        ref: InputRef,
+        key: bytes | None,
+        value: bytes | None,
+        code: str,
+        reason: str,
+        *,
+        error: str | None = None,
+    ) -> OutRecord:
+        """A stub dead letter for the input at ``ref`` (see :func:`stub_dead_letter`).
+
+        For what never became a full dead letter: a bug while deciding, or a
+        classification the output topic refused.
+        """
+        source = DeadLetterSource(ref, code, clip(reason), key, value)
+        out = OutRecord(self._dlq_topic, None, None, [], dead_letter=True, source=source)
+        return stub_dead_letter(out, error=error)
 
     async def _process(
         self,

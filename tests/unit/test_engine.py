@@ -21,7 +21,7 @@ from aiokafka.structs import TopicPartition
 from service.stream.codec import InputRef
 from service.stream.consumer import StreamService, StreamSettings, transactional_id_for
 from service.stream.metrics import StreamMetrics
-from service.stream.processor import OutRecord, RetryLater
+from service.stream.processor import OutRecord, Processor, RetryLater
 from tests.fake_kafka import FakeBroker, FakeConsumer, FakeProducer
 
 IN = "in"
@@ -62,6 +62,12 @@ class FakeProcessor:
             return OutRecord(topic="out", key=key, value=value, headers=[])
         finally:
             self.running -= 1
+
+    def stub(self, ref: InputRef, key: Any, value: Any, code: str, reason: str, **kw: Any) -> Any:
+        # The real processor's stub: what the engine publishes is the service's own.
+        real = Processor.__new__(Processor)
+        real._dlq_topic = self.dlq_topic
+        return Processor.stub(real, ref, key, value, code, reason, **kw)
 
 
 class Harness:
