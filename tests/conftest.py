@@ -167,3 +167,26 @@ def secure_kafka(devstack: DevStack) -> object:
             pytrace=False,
         )
     return SecureKafka(read_env_file(devstack.run_dir / "secure-kafka" / "env"))
+
+
+@pytest_asyncio.fixture
+async def service_account(kube_api: object) -> AsyncIterator[tuple[str, str]]:
+    """A fresh ServiceAccount with no permissions, and a token for it."""
+    from kubernetes_asyncio import client
+
+    core = client.CoreV1Api(kube_api)
+    name = f"crs-test-{uuid.uuid4().hex[:8]}"
+    await core.create_namespaced_service_account(
+        "default", client.V1ServiceAccount(metadata=client.V1ObjectMeta(name=name))
+    )
+    try:
+        tr = await core.create_namespaced_service_account_token(
+            name,
+            "default",
+            client.AuthenticationV1TokenRequest(
+                spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=600)
+            ),
+        )
+        yield name, tr.status.token
+    finally:
+        await core.delete_namespaced_service_account(name, "default")

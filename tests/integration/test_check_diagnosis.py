@@ -13,14 +13,10 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-import pytest_asyncio
 import yaml
-from kubernetes_asyncio import client
 
 from service.app.check import K8S_PERMISSIONS
 from tests.conftest import REPO, DevStack
@@ -152,31 +148,11 @@ def test_an_unknown_identity_is_an_authentication_failure(
     assert "(401)" in proc.stderr
 
 
-@pytest_asyncio.fixture
-async def powerless_token(kube_api: Any) -> AsyncIterator[str]:
-    """A ServiceAccount bound to nothing (it may only ask what it may do)."""
-    core = client.CoreV1Api(kube_api)
-    name = f"powerless-{uuid.uuid4().hex[:8]}"
-    await core.create_namespaced_service_account(
-        "default", client.V1ServiceAccount(metadata=client.V1ObjectMeta(name=name))
-    )
-    try:
-        tr = await core.create_namespaced_service_account_token(
-            name,
-            "default",
-            client.AuthenticationV1TokenRequest(
-                spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=600)
-            ),
-        )
-        yield tr.status.token
-    finally:
-        await core.delete_namespaced_service_account(name, "default")
-
-
 def test_missing_rbac_is_reported_per_verb_and_kind(
-    devstack: DevStack, tmp_path: Path, powerless_token: str
+    devstack: DevStack, tmp_path: Path, service_account: tuple[str, str]
 ) -> None:
-    proc = check(devstack, KUBECONFIG=token_kubeconfig(devstack, tmp_path, powerless_token))
+    _, token = service_account  # a ServiceAccount bound to nothing
+    proc = check(devstack, KUBECONFIG=token_kubeconfig(devstack, tmp_path, token))
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == len(K8S_PERMISSIONS) == 13

@@ -8,7 +8,6 @@ import copy
 import json
 import socket
 import time
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -253,27 +252,6 @@ async def test_invalid_patch_is_invalid_error(kube: tuple[KubeClient, Any], clea
 
 
 # --- authentication and authorisation -----------------------------------------------------
-
-
-@pytest_asyncio.fixture
-async def service_account(kube_api: Any) -> AsyncIterator[tuple[str, str]]:
-    """A fresh ServiceAccount with no permissions, and a token for it."""
-    core = client.CoreV1Api(kube_api)
-    name = f"crs-test-{uuid.uuid4().hex[:8]}"
-    await core.create_namespaced_service_account(
-        "default", client.V1ServiceAccount(metadata=client.V1ObjectMeta(name=name))
-    )
-    try:
-        tr = await core.create_namespaced_service_account_token(
-            name,
-            "default",
-            client.AuthenticationV1TokenRequest(
-                spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=600)
-            ),
-        )
-        yield name, tr.status.token
-    finally:
-        await core.delete_namespaced_service_account(name, "default")
 
 
 async def test_token_without_rbac_is_forbidden(
