@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -54,6 +56,30 @@ __all__ = [
 ]
 
 log = structlog.get_logger(__name__)
+
+
+def _debug_enabled() -> bool:
+    return bool(log.is_enabled_for(logging.DEBUG))
+
+
+class _RecordLog:
+    """One record's logger, bound (coordinates, then event id and instance UUID) only
+    when a line is actually written."""
+
+    __slots__ = ("event_id", "instance_uuid", "ref")
+
+    def __init__(self, ref: InputRef) -> None:
+        self.ref = ref
+        self.event_id: str | None = None
+        self.instance_uuid = ""
+
+    def logger(self) -> Any:
+        ref = self.ref
+        bound = log.bind(topic=ref.topic, partition=ref.partition, offset=ref.offset)
+        if self.event_id is not None:
+            bound = bound.bind(event_id=clip(self.event_id), instance_uuid=clip(self.instance_uuid))
+        return bound
+
 
 Headers = Sequence[tuple[str, bytes | None]]
 
@@ -395,7 +421,8 @@ class Processor:
         attempt: int,
     ) -> OutRecord:
         started = time.perf_counter()
-        bound = log.bind(topic=ref.topic, partition=ref.partition, offset=ref.offset)
+        # Bound only where a line is written: binding per event was 4 % of an event's CPU.
+        bound = _RecordLog(ref)
         try:
             try:
                 event = decode_input(value, headers, max_bytes=self._max_event_bytes, key=key)
@@ -406,15 +433,15 @@ class Processor:
         except Poison as poison:
             if self._logged.first_time(ref, poison.code):
                 if poison.internal:
-                    bound.error(
+                    bound.logger().error(
                         "dead_letter", code=poison.code, reason=poison.reason, exc_info=poison
                     )
                 else:
-                    bound.warning("dead_letter", code=poison.code, reason=poison.reason)
+                    bound.logger().warning("dead_letter", code=poison.code, reason=poison.reason)
             return self._dead_letter(ref, key, value, headers, poison.code, poison.reason)
 
         request = event.data.request
-        bound = bound.bind(event_id=clip(event.id), instance_uuid=clip(request.instance_uuid))
+        bound.event_id, bound.instance_uuid = event.id, request.instance_uuid
         try:
             outcome = await self._recorder.record(event.data.decision, request)
             encoded = encode_output(event, ref, outcome)
@@ -424,18 +451,18 @@ class Processor:
             retryable = exc.retryable or isinstance(exc, ForbiddenError)
             error = clip(f"{type(exc).__name__}: {exc}")
             if retryable and attempt < self._max_attempts:
-                bound.warning("retry_later", attempt=attempt, error=error)
+                bound.logger().warning("retry_later", attempt=attempt, error=error)
                 reason = "k8s_unavailable" if exc.retryable else "k8s_forbidden"
                 self._metrics.retries.labels(reason).inc()
                 raise RetryLater(exc, attempt) from exc
             code = "retries_exhausted" if retryable else "k8s_error"
             if self._logged.first_time(ref, code):
-                bound.error("dead_letter", code=code, attempt=attempt, error=error)
+                bound.logger().error("dead_letter", code=code, attempt=attempt, error=error)
             return self._dead_letter(ref, key, value, headers, code, error)
         except Exception as exc:  # a bug must cost one event, not the service
             code = "internal_error"  # the same code as a failure while decoding
             if self._logged.first_time(ref, code):
-                bound.exception("dead_letter", code=code)
+                bound.logger().exception("dead_letter", code=code)
             reason = clip(f"{type(exc).__name__}: {exc}")
             return self._dead_letter(ref, key, value, headers, code, reason)
 
@@ -443,21 +470,19 @@ class Processor:
         self._metrics.processing.observe(time.perf_counter() - started)
         # Every classification is in the output topic and the counters; a log line per
         # event at info would double the CPU of a routine event (~16 µs of ~25). Info is
-        # kept for what changed the cluster or failed to: a written or failed allocation.
-        emit = (
-            bound.info
-            if outcome.allocation in (AllocationStatus.WRITTEN, AllocationStatus.FAILED)
-            else bound.debug
-        )
-        emit(
-            "classified",
-            kind=outcome.kind,
-            cr_slot=outcome.cr_slot,
-            flavor_group=outcome.flavor_group,
-            intent=outcome.intent,
-            reservation=outcome.reservation,
-            allocation=outcome.allocation,
-        )
+        # kept for what changed the cluster or failed to: a written or failed allocation;
+        # the rest at debug, and only built when debug is on.
+        written = outcome.allocation in (AllocationStatus.WRITTEN, AllocationStatus.FAILED)
+        if written or _debug_enabled():
+            (bound.logger().info if written else bound.logger().debug)(
+                "classified",
+                kind=outcome.kind,
+                cr_slot=outcome.cr_slot,
+                flavor_group=outcome.flavor_group,
+                intent=outcome.intent,
+                reservation=outcome.reservation,
+                allocation=outcome.allocation,
+            )
         return OutRecord(
             topic=self._output_topic,
             key=request.instance_uuid.encode() or key,
