@@ -493,6 +493,12 @@ def service_config(
         "CRS_HTTP_PORT": "0",
         "CRS_K8S_READ_MODE": "watch",
         "CRS_EXACTLY_ONCE": "true",
+        # Experiments: BENCH_CRS_X=v in the benchmark's environment sets CRS_X=v for the
+        # service under test (the service's own CRS_* are not passed: the dev stack's
+        # env file must not change what a benchmark measures).
+        **{
+            k.removeprefix("BENCH_"): v for k, v in os.environ.items() if k.startswith("BENCH_CRS_")
+        },
         **extra,
     }
     return Config.load(env=env)

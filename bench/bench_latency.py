@@ -132,7 +132,15 @@ async def one_run(
             )
             if written != placements:
                 raise WorkloadError(f"{written} allocations written for {placements} placements")
-        return [reader.seen[k] - t for k, t in sent.items()]
+        lat = [reader.seen[k] - t for k, t in sent.items()]
+        # Records alternate placement / no-host-found (see stream): the tail by kind says
+        # whether the Kubernetes write or the engine makes it.
+        print(
+            f"    {who} {rate:g}/s p99 placements {pct(lat[0::2], 0.99) * 1e3:.1f} ms, "
+            f"no-host-found {pct(lat[1::2], 0.99) * 1e3:.1f} ms",
+            flush=True,
+        )
+        return lat
     finally:
         await reader.stop()
         if proc is not None:
