@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,7 @@ class FakeProducer:
     def __init__(self, broker: FakeBroker, **kwargs: Any) -> None:
         self.broker = broker
         self.txn_id: str | None = kwargs.get("transactional_id")
+        self.kwargs = kwargs
         self.epoch = -1
         self.stopped = False
         self._pending: list[Rec] = []
@@ -149,6 +151,8 @@ class FakeConsumer:
         self._coordinator = _Coordinator(self)
         self.commits: list[dict[TopicPartition, OffsetAndMetadata]] = []
         self.asked: list[set[TopicPartition]] = []  # the partitions each getmany asked for
+        self.asked_at: list[float] = []  # when (time.monotonic)
+        self.returned: list[tuple[float, int]] = []  # (when, records) of each getmany
 
     async def start(self) -> None:
         pass
@@ -204,6 +208,7 @@ class FakeConsumer:
         out: dict[TopicPartition, list[Rec]] = {}
         wanted = set(partitions) if partitions else self._assigned
         self.asked.append(set(wanted))
+        self.asked_at.append(time.monotonic())
         for tp in sorted((self._assigned & wanted) - self._paused):
             log = self.broker.logs.get(tp, [])
             pos = self.positions.get(tp, 0)
@@ -215,4 +220,5 @@ class FakeConsumer:
             self.broker.data.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.broker.data.wait(), timeout_ms / 1000)
+        self.returned.append((time.monotonic(), sum(len(r) for r in out.values())))
         return out

@@ -32,6 +32,7 @@ _BOOL_WORDS = {"yes": "true", "on": "true", "no": "false", "off": "false"}
 # The constraints, named once; msgspec checks them when a variable's text is converted.
 NonEmpty = Annotated[str, Meta(min_length=1)]
 PositiveInt = Annotated[int, Meta(gt=0)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
 PositiveFloat = Annotated[float, Meta(gt=0)]
 Port = Annotated[int, Meta(ge=0, le=65535)]
 
@@ -127,10 +128,18 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
         PositiveInt,
         _env(
             "CRS_COMMIT_INTERVAL_MS",
-            "Least time between two commits (transactions) of a partition; the first "
-            "output after a quiet spell is committed at once",
+            "A partition's sustained commit pace: one commit (transaction) per interval "
+            "under load, carrying whatever was decided meanwhile",
         ),
-    ] = 50
+    ] = 100
+    commit_burst: Annotated[
+        PositiveInt,
+        _env(
+            "CRS_COMMIT_BURST",
+            "Commits a quiet partition may make back to back, each output at once, before "
+            "the interval paces it",
+        ),
+    ] = 3
     commit_max_records: Annotated[
         PositiveInt,
         _env(
@@ -181,6 +190,23 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
             "Longest one fetch waits for records (an idle consume loop turns this often)",
         ),
     ] = 500
+    txn_retry_backoff_ms: Annotated[
+        PositiveInt,
+        _env(
+            "CRS_TXN_RETRY_BACKOFF_MS",
+            "Retry back-off of the transactional producers; also how long a transaction "
+            "begun right after another waits for the broker to finish that one",
+        ),
+    ] = 10
+    fetch_linger_ms: Annotated[
+        NonNegativeInt,
+        _env(
+            "CRS_FETCH_LINGER_MS",
+            "Least time between two fetches that returned records: under load records are "
+            "taken in batches (fewer requests and transactions), an idle loop takes the next "
+            "record at once",
+        ),
+    ] = 20
     commit_timeout_s: Annotated[
         PositiveFloat,
         _env(

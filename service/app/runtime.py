@@ -72,6 +72,8 @@ def stream_settings(c: Config) -> StreamSettings:
         max_in_flight=c.max_in_flight,
         key_concurrency=c.key_concurrency,
         commit_interval_ms=c.commit_interval_ms,
+        commit_burst=c.commit_burst,
+        txn_retry_backoff_ms=c.txn_retry_backoff_ms,
         commit_max_records=c.commit_max_records,
         retry_backoff_s=c.retry_backoff_s,
         retry_backoff_max_s=c.retry_backoff_max_s,
@@ -80,6 +82,7 @@ def stream_settings(c: Config) -> StreamSettings:
         fence_recheck_s=c.fence_recheck_s,
         commit_timeout_s=c.commit_timeout_s,
         poll_timeout_ms=c.poll_timeout_ms,
+        fetch_linger_ms=c.fetch_linger_ms,
         client_args=c.kafka_client_args(),
         consumer_args=c.kafka_consumer_args(),
     )

@@ -230,7 +230,7 @@ async def test_a_failed_commit_reprocesses_and_counts_each_event_once(broker: Fa
 
 
 async def test_commit_by_count_without_waiting_for_the_interval(broker: FakeBroker) -> None:
-    h = Harness(broker, commit_interval_ms=60_000, commit_max_records=3)
+    h = Harness(broker, commit_interval_ms=60_000, commit_burst=1, commit_max_records=3)
     for i in range(3):
         broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
     await h.start(TP0)
@@ -243,7 +243,7 @@ async def test_commit_by_count_without_waiting_for_the_interval(broker: FakeBrok
 
 
 async def test_commit_by_time_at_most_once_per_interval(broker: FakeBroker) -> None:
-    h = Harness(broker, commit_interval_ms=300, commit_max_records=1000)
+    h = Harness(broker, commit_interval_ms=300, commit_burst=1, commit_max_records=1000)
     broker.append(IN, 0, b"k", b"v")
     await h.start(TP0)
     started = time.monotonic()
@@ -255,6 +255,59 @@ async def test_commit_by_time_at_most_once_per_interval(broker: FakeBroker) -> N
     assert broker.commits == commits  # within the interval: it waits for the next commit
     await until(lambda: len(outputs(broker)) == 2, limit_s=2)
     assert time.monotonic() - started >= 0.28
+    await h.stop()
+
+
+async def test_a_quiet_partition_commits_a_burst_at_once_then_is_paced(
+    broker: FakeBroker,
+) -> None:
+    h = Harness(broker, commit_interval_ms=400, commit_burst=3, commit_max_records=1000)
+    await h.start(TP0)
+    started = time.monotonic()
+    for i in range(3):  # one by one, each after the previous one's commit
+        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+        await until(lambda n=i + 1: len(outputs(broker)) == n, limit_s=2)  # type: ignore[misc]
+    assert time.monotonic() - started < 0.3  # three saved commits: none waited
+    commits = broker.commits
+    broker.append(IN, 0, b"k3", b"v3")
+    broker.append(IN, 0, b"k4", b"v4")
+    await asyncio.sleep(0.1)
+    assert broker.commits == commits  # the bucket is empty: paced by the interval
+    await until(lambda: len(outputs(broker)) == 5, limit_s=2)
+    assert broker.commits == commits + 1  # both in the one paced commit
+    await h.stop()
+
+
+async def test_fetch_linger_paces_fetches_that_bring_records_only(broker: FakeBroker) -> None:
+    h = Harness(broker, fetch_linger_ms=150)
+    await h.start(TP0)
+    await until(lambda: TP0 in h.service._parts)
+    for i in range(3):  # each fetch brings one record: the next waits out the linger
+        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+        await until(lambda n=i + 1: len(outputs(broker)) == n, limit_s=2)  # type: ignore[misc]
+    await asyncio.sleep(0.4)  # idle: empty fetches (poll_timeout_ms = 20 ms)
+    await h.stop()
+    calls, returns = h.consumer.asked_at, h.consumer.returned
+    after_records = [
+        calls[k + 1] - returned
+        for k, (returned, n) in enumerate(returns)
+        if n and k + 1 < len(calls)
+    ]
+    assert len(after_records) >= 2
+    assert min(after_records) >= 0.14  # the next fetch waited out the linger
+    after_empty = [
+        calls[k + 1] - t for k, (t, n) in enumerate(returns) if not n and k + 1 < len(calls)
+    ]
+    assert after_empty
+    assert min(after_empty) < 0.05  # an empty fetch is followed at once
+
+
+async def test_transactional_producers_get_the_short_retry_backoff(broker: FakeBroker) -> None:
+    # aiokafka's default (100 ms) made each back-to-back transaction take 100 ms.
+    h = Harness(broker, txn_retry_backoff_ms=7)
+    await h.start(TP0)
+    await until(lambda: TP0 in h.service._parts)
+    assert h.service._parts[TP0].producer.kwargs["retry_backoff_ms"] == 7
     await h.stop()
 
 
