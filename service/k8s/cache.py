@@ -236,11 +236,12 @@ class WatchClusterState(ClusterState):
         Raises UnavailableError before the initial sync (after waiting for it) or while
         a watch has been down longer than ``stale_after_s``.
         """
-        if not self.has_synced:
-            await self._wait_for_sync()
-        problems = self._problems()
-        if problems:
-            raise UnavailableError("watch cache stale: " + "; ".join(problems))
+        if not all(i.connected and i.has_synced for i in self._informers):  # else none is stale
+            if not self.has_synced:
+                await self._wait_for_sync()
+            problems = self._problems()
+            if problems:
+                raise UnavailableError("watch cache stale: " + "; ".join(problems))
         # No await from here on: one consistent view of the cluster.
         return self._indexes.snapshot(hosts, project_id)
 

@@ -67,6 +67,7 @@ from service.stream import deferred
 from service.stream.codec import INTERNAL_ERROR, OUTPUT_REJECTED, InputRef, decode_input
 from service.stream.ledger import CommitPlan, Ledger
 from service.stream.metrics import StreamMetrics
+from service.stream.partitioner import partition_for_key
 from service.stream.processor import (
     OutRecord,
     Processor,
@@ -234,7 +235,7 @@ class StreamService:
         )
         if not s.exactly_once:
             self._shared_producer = self._producer_factory(
-                **s.client_args, enable_idempotence=True, acks="all"
+                **s.client_args, enable_idempotence=True, acks="all", partitioner=partition_for_key
             )
             await self._shared_producer.start()
         try:
@@ -558,8 +559,7 @@ class StreamService:
         part.ledger.committed(plan)
         if part.ledger.done_uncommitted:  # decided while this commit ran: the next one
             part.wake.set()
-        for _, done in plan.items:
-            deferred.apply(done.counts)
+        deferred.apply_all(done.counts for _, done in plan.items)
         self.processed += len(plan.items)
         self._committed[tp] = plan.offset
         self._failures.pop(tp, None)
@@ -681,6 +681,7 @@ class StreamService:
                         **self._s.client_args,
                         transactional_id=transactional_id_for(self._s.prefix, tp),
                         retry_backoff_ms=self._s.txn_retry_backoff_ms,
+                        partitioner=partition_for_key,
                     )
                     await producer.start()  # InitProducerId: the fence
                 committed = await consumer._coordinator.fetch_committed_offsets([tp])

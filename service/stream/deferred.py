@@ -11,12 +11,11 @@ increment applies at once, so the wrapped counters behave like plain ones.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from contextvars import ContextVar
 from typing import Any, Protocol
 
-__all__ = ["DeferredCounter", "Increments", "apply", "capture"]
+__all__ = ["DeferredCounter", "Increments", "apply", "apply_all", "capture"]
 
 
 class _Incrementable(Protocol):
@@ -28,19 +27,40 @@ Increments = list[tuple[_Incrementable, float]]
 _buffer: ContextVar[Increments | None] = ContextVar("crs_deferred_increments", default=None)
 
 
-@contextmanager
-def capture() -> Iterator[Increments]:
-    """Collect the increments made in this context (and tasks it starts) into a list."""
-    buf: Increments = []
-    token = _buffer.set(buf)
-    try:
-        yield buf
-    finally:
-        _buffer.reset(token)
+class capture:
+    """Collect the increments made in this context (and tasks it starts) into a list.
+
+    A class, not a generator context manager: it is entered once per record, and the
+    generator machinery cost more than the rest of it.
+    """
+
+    __slots__ = ("_buf", "_token")
+
+    def __init__(self) -> None:
+        self._buf: Increments = []
+
+    def __enter__(self) -> Increments:
+        self._token = _buffer.set(self._buf)
+        return self._buf
+
+    def __exit__(self, *exc: object) -> None:
+        _buffer.reset(self._token)
 
 
 def apply(increments: Increments) -> None:
     for child, amount in increments:
+        child.inc(amount)
+
+
+def apply_all(batches: Iterable[Increments]) -> None:
+    """Apply many records' increments, one ``inc`` per counter child: a commit holds
+    hundreds of records counting into a handful of children, and every ``inc`` takes the
+    child's lock."""
+    totals: dict[_Incrementable, float] = {}
+    for increments in batches:
+        for child, amount in increments:
+            totals[child] = totals.get(child, 0.0) + amount
+    for child, amount in totals.items():
         child.inc(amount)
 
 

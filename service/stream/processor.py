@@ -361,6 +361,9 @@ class Processor:
         self._max_attempts = max_attempts
         self._max_dead_letter_value = max_dead_letter_value_bytes
         self.bounds = DeadLetterBounds.for_max_record_bytes(max_record_bytes)
+        # Read once: the level is configured before the service is built, and asking the
+        # logger per event cost 1-2 % of an event.
+        self._debug = _debug_enabled()
         self._logged = _LoggedOnce()
 
     @property
@@ -473,7 +476,7 @@ class Processor:
         # kept for what changed the cluster or failed to: a written or failed allocation;
         # the rest at debug, and only built when debug is on.
         written = outcome.allocation in (AllocationStatus.WRITTEN, AllocationStatus.FAILED)
-        if written or _debug_enabled():
+        if written or self._debug:
             (bound.logger().info if written else bound.logger().debug)(
                 "classified",
                 kind=outcome.kind,

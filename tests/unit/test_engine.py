@@ -21,6 +21,7 @@ from aiokafka.structs import TopicPartition
 from service.stream.codec import InputRef
 from service.stream.consumer import StreamService, StreamSettings, transactional_id_for
 from service.stream.metrics import StreamMetrics
+from service.stream.partitioner import partition_for_key
 from service.stream.processor import OutRecord, Processor, RetryLater
 from tests.fake_kafka import FakeBroker, FakeConsumer, FakeProducer
 
@@ -308,6 +309,8 @@ async def test_transactional_producers_get_the_short_retry_backoff(broker: FakeB
     await h.start(TP0)
     await until(lambda: TP0 in h.service._parts)
     assert h.service._parts[TP0].producer.kwargs["retry_backoff_ms"] == 7
+    # and Kafka's default key hashing, computed faster (service.stream.partitioner)
+    assert h.service._parts[TP0].producer.kwargs["partitioner"] is partition_for_key
     await h.stop()
 
 
