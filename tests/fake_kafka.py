@@ -58,6 +58,7 @@ class FakeProducer:
         self.stopped = False
         self._pending: list[Rec] = []
         self._offsets: dict[tuple[str, TopicPartition], OffsetAndMetadata] = {}
+        self.calls: list[str] = []  # "send" / "offsets", in the order they were made
 
     async def start(self) -> None:
         if self.txn_id is not None:
@@ -86,6 +87,7 @@ class FakeProducer:
     async def send_offsets_to_transaction(
         self, offsets: dict[TopicPartition, OffsetAndMetadata], group_id: str
     ) -> None:
+        self.calls.append("offsets")
         self._check_epoch()
         for tp, om in offsets.items():
             self._offsets[(group_id, tp)] = om
@@ -97,6 +99,7 @@ class FakeProducer:
         key: bytes | None = None,
         headers: list[tuple[str, bytes]] | None = None,
     ) -> asyncio.Future[None]:
+        self.calls.append("send")
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         size = len(key or b"") + len(value or b"")
         size += sum(len(n) + len(v or b"") for n, v in headers or [])

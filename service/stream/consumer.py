@@ -149,6 +149,51 @@ class _Rejected(Exception):
         self.error = error
 
 
+class _Deliveries:
+    """The produced outputs of one commit, awaited before it commits.
+
+    Every delivery is awaited inside the transaction: aiokafka would otherwise commit a
+    transaction one of whose batches the broker rejected (the output lost while its
+    offset is committed).
+    """
+
+    __slots__ = ("error", "futures", "rejected")
+
+    def __init__(self) -> None:
+        self.futures: list[tuple[int, Any]] = []
+        self.rejected: list[int] = []
+        self.error: BaseException | None = None
+
+    def refused(self, offset: int, error: BaseException) -> None:
+        self.rejected.append(offset)
+        self.error = error
+
+    async def settle(self) -> None:
+        """Wait for every delivery; raise _Rejected for refused records, else the first
+        other failure."""
+        results = await asyncio.gather(*(f for _, f in self.futures), return_exceptions=True)
+        for (offset, _), res in zip(self.futures, results, strict=True):
+            if isinstance(res, BaseException):
+                if isinstance(res, (*_TOO_LARGE, *_INVALID)):
+                    self.refused(offset, res)
+                else:
+                    raise res
+        if self.rejected:
+            assert self.error is not None
+            raise _Rejected(self.rejected, self.error)
+
+    def abandon(self) -> None:
+        """The commit failed before its deliveries were awaited: their outcome no longer
+        matters (the transaction aborts), but must be retrieved, not logged as lost."""
+        for _, future in self.futures:
+            future.add_done_callback(_retrieve)
+
+
+def _retrieve(future: Any) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 class _Partition:
     """One owned input partition: its producer, ledger, key lanes and committer."""
 
@@ -578,39 +623,33 @@ class StreamService:
         if part.producer is not None:
             producer = part.producer
             async with producer.transaction():
-                await producer.send_offsets_to_transaction(offsets, self._s.group_id)
-                await self._deliver(producer, plan)
+                # Outputs first, offsets second: aiokafka's sender then adds the output
+                # partitions to the transaction and, while the records are produced, the
+                # group; one round trip fewer than offsets first (4 sequential requests
+                # instead of 5: a quiet partition's output is committed that much sooner).
+                pending = await self._enqueue(producer, plan)
+                try:
+                    await producer.send_offsets_to_transaction(offsets, self._s.group_id)
+                except BaseException:
+                    pending.abandon()
+                    raise
+                await pending.settle()
         else:
-            await self._deliver(self._shared_producer, plan)
+            await (await self._enqueue(self._shared_producer, plan)).settle()
             await self._consumer.commit(offsets)
 
-    async def _deliver(self, producer: Any, plan: CommitPlan[_Done]) -> None:
-        # Every delivery is awaited inside the transaction: aiokafka would otherwise commit
-        # a transaction one of whose batches the broker rejected (the output lost while
-        # its offset is committed).
-        futures: list[tuple[int, Any]] = []
-        rejected: list[int] = []
-        error: BaseException | None = None
+    async def _enqueue(self, producer: Any, plan: CommitPlan[_Done]) -> _Deliveries:
+        """Hand every output of ``plan`` to the producer; their deliveries to settle."""
+        deliveries = _Deliveries()
         for offset, done in plan.items:
             r = done.out
             try:
-                futures.append(
-                    (offset, await producer.send(r.topic, r.value, key=r.key, headers=r.headers))
-                )
+                future = await producer.send(r.topic, r.value, key=r.key, headers=r.headers)
             except (*_TOO_LARGE, *_INVALID) as exc:  # refused before it left the client
-                rejected.append(offset)
-                error = exc
-        results = await asyncio.gather(*(f for _, f in futures), return_exceptions=True)
-        for (offset, _), res in zip(futures, results, strict=True):
-            if isinstance(res, BaseException):
-                if isinstance(res, (*_TOO_LARGE, *_INVALID)):
-                    rejected.append(offset)
-                    error = res
-                else:
-                    raise res
-        if rejected:
-            assert error is not None
-            raise _Rejected(rejected, error)
+                deliveries.refused(offset, exc)
+            else:
+                deliveries.futures.append((offset, future))
+        return deliveries
 
     def _commit_failed(self, part: _Partition, exc: BaseException) -> None:
         tp = part.tp

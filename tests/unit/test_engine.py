@@ -303,6 +303,21 @@ async def test_fetch_linger_paces_fetches_that_bring_records_only(broker: FakeBr
     assert min(after_empty) < 0.05  # an empty fetch is followed at once
 
 
+async def test_a_commit_hands_over_its_outputs_before_its_offsets(broker: FakeBroker) -> None:
+    # Outputs first: aiokafka then adds the group to the transaction while the records
+    # are produced (4 sequential requests per transaction instead of 5).
+    h = Harness(broker)
+    for i in range(3):
+        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    await h.start(TP0)
+    await until(lambda: len(outputs(broker)) == 3)
+    calls = h.service._parts[TP0].producer.calls
+    await h.stop()
+    first_offsets = calls.index("offsets")
+    assert first_offsets > 0
+    assert set(calls[:first_offsets]) == {"send"}
+
+
 async def test_transactional_producers_get_the_short_retry_backoff(broker: FakeBroker) -> None:
     # aiokafka's default (100 ms) made each back-to-back transaction take 100 ms.
     h = Harness(broker, txn_retry_backoff_ms=7)
