@@ -408,6 +408,8 @@ class Cluster:
         concurrent creates (semaphore), then concurrent status writes; both timed."""
         report = SeedReport(n_hv)
         current = await self.marker()
+        if current is not None and not await self._intact(current):
+            current = None  # someone deleted bench objects (a test's clean-up): seed afresh
         if current == n_hv:
             return report
         objs: list[dict[str, Any]] = []
@@ -430,6 +432,15 @@ class Cluster:
         report.created = len(objs)
         await self._set_marker(n_hv)
         return report
+
+    async def _intact(self, n_hv: int) -> bool:
+        """The marker's cluster is still there: its first and last host's objects exist."""
+        for i in {0, max(n_hv - 1, 0)}:
+            for o in host_objects(i):
+                status, _ = await self.call("GET", self.url(_plural(o), o["metadata"]["name"]))
+                if status != 200:
+                    return False
+        return True
 
     async def clear_allocations(self, names: Iterable[str]) -> None:
         """Remove the allocations of these Reservations (so repeated runs write alike)."""
