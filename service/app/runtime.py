@@ -283,9 +283,8 @@ class Runtime:
         collector ignores them); periodically everything is unfrozen, collected once and
         frozen again, so cyclic garbage among frozen objects is still freed.
         """
-        state = self.state
-        if state is not None and isinstance(state, WatchClusterState):
-            await state.wait_synced()
+        if isinstance(self.state, WatchClusterState):
+            await self.state.wait_synced()
         while True:
             gc.unfreeze()
             gc.collect()

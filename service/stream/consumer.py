@@ -604,7 +604,7 @@ class StreamService:
         part.ledger.committed(plan)
         if part.ledger.done_uncommitted:  # decided while this commit ran: the next one
             part.wake.set()
-        deferred.apply_all(done.counts for _, done in plan.items)
+        deferred.apply(done.counts for _, done in plan.items)
         self.processed += len(plan.items)
         self._committed[tp] = plan.offset
         self._failures.pop(tp, None)

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from contextvars import ContextVar
 from typing import Any, Protocol
 
-__all__ = ["DeferredCounter", "Increments", "apply", "apply_all", "capture"]
+__all__ = ["DeferredCounter", "Increments", "apply", "capture"]
 
 
 class _Incrementable(Protocol):
@@ -47,15 +47,10 @@ class capture:
         _buffer.reset(self._token)
 
 
-def apply(increments: Increments) -> None:
-    for child, amount in increments:
-        child.inc(amount)
-
-
-def apply_all(batches: Iterable[Increments]) -> None:
-    """Apply many records' increments, one ``inc`` per counter child: a commit holds
-    hundreds of records counting into a handful of children, and every ``inc`` takes the
-    child's lock."""
+def apply(batches: Iterable[Increments]) -> None:
+    """Apply the captured increments of committed records, one ``inc`` per counter
+    child: a commit holds hundreds of records counting into a handful of children, and
+    every ``inc`` takes the child's lock."""
     totals: dict[_Incrementable, float] = {}
     for increments in batches:
         for child, amount in increments:

@@ -58,10 +58,6 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 
-def _debug_enabled() -> bool:
-    return bool(log.is_enabled_for(logging.DEBUG))
-
-
 class _RecordLog:
     """One record's logger, bound (coordinates, then event id and instance UUID) only
     when a line is actually written."""
@@ -363,7 +359,7 @@ class Processor:
         self.bounds = DeadLetterBounds.for_max_record_bytes(max_record_bytes)
         # Read once: the level is configured before the service is built, and asking the
         # logger per event cost 1-2 % of an event.
-        self._debug = _debug_enabled()
+        self._debug = bool(log.is_enabled_for(logging.DEBUG))
         self._logged = _LoggedOnce()
 
     @property

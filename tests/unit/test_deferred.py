@@ -25,15 +25,15 @@ def test_increments_inside_a_capture_wait_for_apply() -> None:
         counter.labels("a").inc()
         counter.labels("a").inc(2)
     assert counter.labels("a")._value.get() == 0  # not committed yet
-    deferred.apply(counts)
+    deferred.apply([counts])
     assert counter.labels("a")._value.get() == 3
     counter.labels("b").inc()  # outside a capture: at once
     assert counter.labels("b")._value.get() == 1
 
 
-def test_apply_all_sums_per_child_and_increments_each_once() -> None:
+def test_apply_sums_per_child_and_increments_each_once() -> None:
     a, b = CountingChild(), CountingChild()
     records: list[deferred.Increments] = [[(a, 1.0), (b, 1.0)], [(a, 1.0)], [], [(a, 2.0)]]
-    deferred.apply_all(records)
+    deferred.apply(records)
     assert a.calls == [4.0]  # one locked inc for the whole commit, the same total
     assert b.calls == [1.0]
