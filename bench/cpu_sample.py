@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from _common import cpu_seconds
+
 ROLES = (
     ("kube-apiserver", "apiserver"),
     ("kafka.Kafka", "kafka"),
@@ -30,7 +32,7 @@ ROLES = (
 
 
 def sample() -> dict[str, float]:
-    tick = os.sysconf("SC_CLK_TCK")
+    """CPU seconds so far of each role's processes (summed)."""
     out: dict[str, float] = {}
     me = os.getpid()
     for entry in Path("/proc").iterdir():
@@ -38,12 +40,11 @@ def sample() -> dict[str, float]:
             continue
         try:
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            role = next((r for marker, r in ROLES if marker in cmd), None)
+            if role is not None:
+                out[role] = out.get(role, 0.0) + cpu_seconds(int(entry.name))
+        except OSError:  # the process ended meanwhile
             continue
-        role = next((r for marker, r in ROLES if marker in cmd), None)
-        if role is not None:
-            out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
 
 
