@@ -58,7 +58,9 @@ class FakeProducer:
         self.stopped = False
         self._pending: list[Rec] = []
         self._offsets: dict[tuple[str, TopicPartition], OffsetAndMetadata] = {}
-        self.calls: list[str] = []  # "send" / "offsets", in the order they were made
+        # "begin" / "send" / "offsets" / "commit" / "abort", in the order they were made
+        self.calls: list[str] = []
+        self.in_transaction = False
 
     async def start(self) -> None:
         if self.txn_id is not None:
@@ -68,28 +70,35 @@ class FakeProducer:
     async def stop(self) -> None:
         self.stopped = True
 
-    def transaction(self) -> Any:
-        producer = self
+    async def begin_transaction(self) -> None:
+        assert not self.in_transaction, "a transaction is already open"
+        self.calls.append("begin")
+        self.in_transaction = True
+        self._pending = []
+        self._offsets = {}
 
-        class _Txn:
-            async def __aenter__(self) -> None:
-                producer._pending = []
-                producer._offsets = {}
+    async def commit_transaction(self) -> None:
+        assert self.in_transaction, "no transaction to commit"
+        self.calls.append("commit")
+        try:
+            await self._commit()
+        finally:
+            self.in_transaction = False
 
-            async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-                if exc_type is not None:
-                    producer._pending = []
-                    return
-                await producer._commit()
-
-        return _Txn()
+    async def abort_transaction(self) -> None:
+        assert self.in_transaction, "no transaction to abort"
+        self.calls.append("abort")
+        self.in_transaction = False
+        self._pending = []
+        self._offsets = {}
 
     async def send_offsets_to_transaction(
         self, offsets: dict[TopicPartition, OffsetAndMetadata], group_id: str
     ) -> None:
         self.calls.append("offsets")
+        assert self.in_transaction, "offsets outside a transaction"
         self._check_epoch()
-        for tp, om in offsets.items():
+        for tp, om in offsets.items():  # the last one sent in a transaction wins
             self._offsets[(group_id, tp)] = om
 
     async def send(

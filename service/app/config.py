@@ -198,6 +198,16 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
             "begun right after another waits for the broker to finish that one",
         ),
     ] = 10
+    txn_open_ahead_ms: Annotated[
+        NonNegativeInt,
+        _env(
+            "CRS_TXN_OPEN_AHEAD_MS",
+            "A quiet partition whose records are still undecided this long after they "
+            "arrived (waiting on the Kubernetes API) begins its next transaction and sends "
+            "its offset meanwhile, so only the outputs and the end follow the decision; 0: "
+            "never",
+        ),
+    ] = 2
     fetch_linger_ms: Annotated[
         NonNegativeInt,
         _env(

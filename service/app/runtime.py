@@ -78,6 +78,7 @@ def stream_settings(c: Config) -> StreamSettings:
         commit_interval_ms=c.commit_interval_ms,
         commit_burst=c.commit_burst,
         txn_retry_backoff_ms=c.txn_retry_backoff_ms,
+        txn_open_ahead_ms=c.txn_open_ahead_ms,
         commit_max_records=c.commit_max_records,
         retry_backoff_s=c.retry_backoff_s,
         retry_backoff_max_s=c.retry_backoff_max_s,

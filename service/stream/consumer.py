@@ -124,6 +124,12 @@ class StreamSettings:
     poll_timeout_ms: int = 500
     # Least time between two fetches that returned records (see run).
     fetch_linger_ms: int = 20
+    # A quiet partition whose records are still undecided this long after they arrived
+    # (they wait on the Kubernetes API) opens its next transaction ahead; 0: never.
+    txn_open_ahead_ms: int = 2
+    # ... and aborts it when nothing was decided this long after (well below the
+    # producer's transaction.timeout.ms, 60 s, after which the broker would fence it).
+    txn_open_ahead_max_s: float = 5.0
     client_args: dict[str, Any] = field(default_factory=dict)
     consumer_args: dict[str, Any] = field(default_factory=dict)
 
@@ -214,6 +220,10 @@ class _Partition:
         self.backpressured = False
         # One transaction at a time per producer: the committer and a revoke both commit.
         self.commit_lock = asyncio.Lock()
+        # A transaction opened ahead (see _commit_loop): the offset it has sent, and
+        # when it is aborted if nothing has been decided by then.
+        self.ahead: int | None = None
+        self.ahead_until = 0.0
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -396,6 +406,8 @@ class StreamService:
             part.lanes[key] = deque((record,))
             part.ready.append(key)
         self._staff(part)
+        if part.ahead is None and not part.ledger.done_uncommitted and part.producer is not None:
+            part.wake.set()  # a quiet partition: its committer may open a transaction ahead
         if part.ledger.in_flight >= self._s.max_in_flight and not part.backpressured:
             part.backpressured = True  # left out of the next fetches (see run)
         self._metrics.in_flight.labels(part.tp.topic, str(part.tp.partition)).set(
@@ -542,24 +554,103 @@ class StreamService:
         # each), so under load a partition commits once per interval with whatever was
         # decided meanwhile; a quiet partition has saved tokens and commits each output
         # at once. commit_max_records waiting outputs commit without a token.
+        #
+        # Opening ahead. A transaction is five requests in a row (begin, add the output
+        # partition, produce, add the group + commit the offset, end): ~7.5 ms on the dev
+        # stack, which a placement's output used to wait for *after* its ~5-10 ms PATCH.
+        # When a quiet partition's records are still undecided txn_open_ahead_ms after
+        # they arrived (a no-host-found event is decided in well under a millisecond, so
+        # those are waiting on the Kubernetes API), the committer begins the transaction
+        # and sends the offset the partition will have once they are done, while they
+        # wait. When they are decided only the outputs and the end remain (measured:
+        # 4.5 instead of 7.5 ms after the decision; bench/bench_txn.py --ahead). Nothing
+        # is produced ahead, so an open transaction holds back no reader of the output
+        # topic; if the offset changed meanwhile (more records arrived), it is sent again
+        # (the broker keeps the last one of a transaction). Nothing decided within
+        # txn_open_ahead_max_s: the transaction is aborted, which loses nothing.
         interval = self._s.commit_interval_ms / 1000
         burst = float(max(self._s.commit_burst, 1))
+        ahead_after = self._s.txn_open_ahead_ms / 1000
         tokens, filled = burst, self._clock()
         while not part.closed:
-            await part.wake.wait()
-            part.wake.clear()
-            while not part.closed:
-                now = self._clock()
-                tokens = min(burst, tokens + (now - filled) / interval)
-                filled = now
-                if tokens >= 1 or part.ledger.done_uncommitted >= self._s.commit_max_records:
-                    break
+            if part.ahead is None:
+                await part.wake.wait()
+            else:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(part.wake.wait(), (1 - tokens) * interval)
-                part.wake.clear()
-            if not part.closed:
+                    await asyncio.wait_for(
+                        part.wake.wait(), max(part.ahead_until - self._clock(), 0.0)
+                    )
+            part.wake.clear()
+            if part.closed:
+                break
+            now = self._clock()
+            tokens = min(burst, tokens + (now - filled) / interval)
+            filled = now
+            if not part.ledger.done_uncommitted:
+                if part.ahead is not None:
+                    if now >= part.ahead_until:
+                        await self._abort_ahead(part)
+                elif ahead_after > 0 and tokens >= 1 and part.ledger.pending:
+                    # Records arrived and none is decided: give them ahead_after (a
+                    # decision sets wake, and is then committed the usual way).
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(part.wake.wait(), ahead_after)
+                    if part.ledger.pending and not part.ledger.done_uncommitted:
+                        tokens -= 1  # the transaction's token, spent when it begins
+                        await self._open_ahead(part)
+                continue
+            if part.ahead is None:
+                while not part.closed:
+                    if tokens >= 1 or part.ledger.done_uncommitted >= self._s.commit_max_records:
+                        break
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(part.wake.wait(), (1 - tokens) * interval)
+                    part.wake.clear()
+                    now = self._clock()
+                    tokens = min(burst, tokens + (now - filled) / interval)
+                    filled = now
                 tokens = max(tokens - 1, 0.0)
+            if not part.closed:
                 await self._commit(part)
+
+    async def _open_ahead(self, part: _Partition) -> None:
+        """Begin ``part``'s next transaction and send the offset it will commit."""
+        async with part.commit_lock:
+            offset = part.ledger.settled_position()
+            if part.closed or part.ahead is not None or offset is None:
+                return
+            if part.ledger.done_uncommitted or part.producer is None:
+                return
+            producer = part.producer
+            offsets = {part.tp: OffsetAndMetadata(offset, "")}
+
+            async def begin() -> None:
+                await producer.begin_transaction()
+                part.ahead, part.ahead_until = offset, self._clock() + self._s.txn_open_ahead_max_s
+                await producer.send_offsets_to_transaction(offsets, self._s.group_id)
+
+            try:
+                await asyncio.wait_for(begin(), self._s.commit_timeout_s)
+            except ProducerFenced:
+                self._metrics.commit_failures.labels("fenced").inc()
+                self._fenced(part)
+            except Exception as exc:
+                self._commit_failed(part, exc)
+
+    async def _abort_ahead(self, part: _Partition) -> None:
+        async with part.commit_lock:
+            if not part.closed and part.ahead is not None and not part.ledger.done_uncommitted:
+                await self._abort_ahead_locked(part)
+
+    async def _abort_ahead_locked(self, part: _Partition) -> None:
+        part.ahead = None
+        self._metrics.opened_ahead.labels("aborted").inc()
+        try:
+            await asyncio.wait_for(part.producer.abort_transaction(), self._s.commit_timeout_s)
+        except ProducerFenced:
+            self._fenced(part)
+        except Exception as exc:
+            self._commit_failed(part, exc)
 
     async def _commit(self, part: _Partition) -> bool:
         """Commit what the partition has decided; False if the partition was dropped."""
@@ -571,7 +662,9 @@ class StreamService:
     async def _commit_locked(self, part: _Partition) -> bool:
         plan = part.ledger.plan()
         if plan is None:
-            return True
+            if part.ahead is not None:  # released before anything was decided
+                await self._abort_ahead_locked(part)
+            return not part.closed
         tp = part.tp
         started = time.perf_counter()
         try:
@@ -622,18 +715,28 @@ class StreamService:
         offsets = {tp: OffsetAndMetadata(plan.offset, plan.metadata)}
         if part.producer is not None:
             producer = part.producer
-            async with producer.transaction():
+            sent, part.ahead = part.ahead, None
+            if sent is None:
+                await producer.begin_transaction()
+            else:
+                self._metrics.opened_ahead.labels("committed").inc()
+            try:
                 # Outputs first, offsets second: aiokafka's sender then adds the output
                 # partitions to the transaction and, while the records are produced, the
                 # group; one round trip fewer than offsets first (4 sequential requests
                 # instead of 5: a quiet partition's output is committed that much sooner).
                 pending = await self._enqueue(producer, plan)
                 try:
-                    await producer.send_offsets_to_transaction(offsets, self._s.group_id)
+                    if sent is None or (plan.offset, plan.metadata) != (sent, ""):
+                        await producer.send_offsets_to_transaction(offsets, self._s.group_id)
                 except BaseException:
                     pending.abandon()
                     raise
                 await pending.settle()
+            except BaseException:
+                await _abort_quietly(producer)
+                raise
+            await producer.commit_transaction()
         else:
             await (await self._enqueue(self._shared_producer, plan)).settle()
             await self._consumer.commit(offsets)
@@ -891,6 +994,15 @@ class StreamService:
     def stalled(self) -> dict[TopicPartition, str]:
         """Assigned partitions that cannot make progress, with the reason (for readiness)."""
         return dict(self._stalled)
+
+
+async def _abort_quietly(producer: Any) -> None:
+    """Abort the open transaction of a commit that failed (the error is what counts).
+
+    A producer in a fatal state (fenced) cannot abort and says so at once; a broken one
+    is bounded like a commit."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(producer.abort_transaction(), 5.0)
 
 
 async def _close_quietly(producer: Any) -> None:

@@ -169,6 +169,15 @@ class Ledger(Generic[T]):
             return self._high + 1
         return self._next
 
+    def settled_position(self) -> int | None:
+        """The watermark once every record received so far is done (with no metadata);
+        None while restored offsets are still open or nothing was received."""
+        if self._restored_open or self._next is None:
+            return None
+        if self._high is not None and self._high >= self._next:
+            return self._high + 1
+        return self._next
+
     def _open_below(self, high: int) -> list[int]:
         opens = [o for o in self._pending if o < high]
         opens.extend(o for o in self._restored_open if o < high)

@@ -172,6 +172,15 @@ class StreamMetrics:
             ["reason"],
             registry=r,
         )
+        self.opened_ahead = Counter(
+            "crs_txn_opened_ahead",
+            "Transactions a partition opened while its records waited on the Kubernetes "
+            "API, by how they ended (committed, or aborted when nothing was decided)",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("committed", "aborted"):
+            self.opened_ahead.labels(outcome)
         self.fenced = Counter(
             "crs_fenced",
             "Input partitions whose producer was fenced by a newer owner (work dropped)",

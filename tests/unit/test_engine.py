@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from aiokafka.structs import TopicPartition
+from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from service.stream.codec import InputRef
 from service.stream.consumer import StreamService, StreamSettings, transactional_id_for
@@ -313,9 +313,9 @@ async def test_a_commit_hands_over_its_outputs_before_its_offsets(broker: FakeBr
     await until(lambda: len(outputs(broker)) == 3)
     calls = h.service._parts[TP0].producer.calls
     await h.stop()
-    first_offsets = calls.index("offsets")
-    assert first_offsets > 0
-    assert set(calls[:first_offsets]) == {"send"}
+    begin, first_offsets = calls.index("begin"), calls.index("offsets")
+    assert first_offsets > begin + 1
+    assert set(calls[begin + 1 : first_offsets]) == {"send"}
 
 
 async def test_transactional_producers_get_the_short_retry_backoff(broker: FakeBroker) -> None:
@@ -481,4 +481,114 @@ async def test_lag_is_reported_from_assignment_on(broker: FakeBroker) -> None:
     assert h.metrics.lag.labels(IN, "0")._value.get() == 3
     gate.set()
     await until(lambda: h.metrics.lag.labels(IN, "0")._value.get() == 0)
+    await h.stop()
+
+
+def ahead_count(h: Harness, outcome: str) -> float:
+    return h.metrics.opened_ahead.labels(outcome)._value.get()  # type: ignore[no-any-return]
+
+
+async def test_a_partition_waiting_on_the_api_opens_its_transaction_ahead(
+    broker: FakeBroker,
+) -> None:
+    # The record is undecided (a PATCH in flight): the transaction is begun and its
+    # offset sent meanwhile; after the decision only the output and the end remain.
+    h = Harness(broker)
+    gate = h.processor.gates[b"v0"] = asyncio.Event()
+    broker.append(IN, 0, b"k0", b"v0")
+    await h.start(TP0)
+    await until(lambda: TP0 in h.service._parts)
+    producer = h.service._parts[TP0].producer
+    await until(lambda: producer.calls == ["begin", "offsets"])
+    assert outputs(broker) == []
+    assert ("g", TP0) not in broker.committed
+    gate.set()
+    await until(lambda: outputs(broker) == [b"v0"])
+    assert producer.calls == ["begin", "offsets", "send", "commit"]  # the offset not again
+    assert broker.committed[("g", TP0)].offset == 1
+    assert ahead_count(h, "committed") == 1
+    await h.stop()
+
+
+async def test_an_offset_that_moved_while_open_ahead_is_sent_again(broker: FakeBroker) -> None:
+    h = Harness(broker)
+    gate = h.processor.gates[b"x0"] = asyncio.Event()
+    broker.append(IN, 0, b"x", b"x0")
+    await h.start(TP0)
+    await until(lambda: TP0 in h.service._parts)
+    producer = h.service._parts[TP0].producer
+    await until(lambda: producer.calls == ["begin", "offsets"])  # offset 1 sent ahead
+    broker.append(IN, 0, b"y", b"y0")  # decided at once, behind the stuck x0
+    await until(lambda: outputs(broker) == [b"y0"])
+    assert producer.calls == ["begin", "offsets", "send", "offsets", "commit"]
+    committed = broker.committed[("g", TP0)]
+    assert committed.offset == 0
+    assert committed.metadata.startswith("crs1:")
+    gate.set()
+    await until(lambda: len(outputs(broker)) == 2)
+    await h.stop()
+    assert broker.committed[("g", TP0)].offset == 2
+
+
+async def test_a_transaction_open_ahead_too_long_is_aborted(broker: FakeBroker) -> None:
+    h = Harness(broker, txn_open_ahead_max_s=0.05)
+    gate = h.processor.gates[b"v0"] = asyncio.Event()
+    broker.append(IN, 0, b"k0", b"v0")
+    await h.start(TP0)
+    await until(lambda: ahead_count(h, "aborted") >= 1)
+    producer = h.service._parts[TP0].producer
+    assert producer.calls[:3] == ["begin", "offsets", "abort"]
+    assert ("g", TP0) not in broker.committed  # the offset sent ahead was not committed
+    gate.set()
+    await until(lambda: outputs(broker) == [b"v0"])
+    await h.stop()
+    assert broker.committed[("g", TP0)].offset == 1
+    assert h.counted() == 1
+
+
+async def test_stopping_aborts_a_transaction_open_ahead(broker: FakeBroker) -> None:
+    h = Harness(broker, stop_wait_s=0.05)
+    h.processor.gates[b"v0"] = asyncio.Event()  # never decided
+    broker.append(IN, 0, b"k0", b"v0")
+    await h.start(TP0)
+    await until(lambda: TP0 in h.service._parts)
+    producer = h.service._parts[TP0].producer
+    await until(lambda: producer.calls == ["begin", "offsets"])
+    await h.stop()
+    # Ended without committing the offset sent ahead: aborted, or (here, a partition
+    # never committed before) committed at the undecided record itself.
+    assert producer.calls[-1] in ("abort", "commit")
+    assert not producer.in_transaction
+    assert producer.stopped
+    assert broker.committed.get(("g", TP0), OffsetAndMetadata(0, "")).offset == 0
+    assert outputs(broker) == []
+
+
+async def test_a_revoke_aborts_a_transaction_open_ahead(broker: FakeBroker) -> None:
+    h = Harness(broker, revoke_wait_s=0.05)
+    broker.append(IN, 0, b"k0", b"v0")
+    await h.start(TP0)
+    await until(lambda: outputs(broker) == [b"v0"])  # committed: offset 1
+    h.processor.gates[b"v1"] = asyncio.Event()  # never decided
+    broker.append(IN, 0, b"k1", b"v1")
+    producer = h.service._parts[TP0].producer
+    await until(lambda: producer.calls[-2:] == ["begin", "offsets"])
+    await h.service._on_revoked([TP0])
+    assert producer.calls[-1] == "abort"
+    assert not producer.in_transaction
+    assert broker.committed[("g", TP0)].offset == 1  # not 2, the offset sent ahead
+    await h.stop()
+
+
+async def test_opening_ahead_can_be_turned_off(broker: FakeBroker) -> None:
+    h = Harness(broker, txn_open_ahead_ms=0)
+    gate = h.processor.gates[b"v0"] = asyncio.Event()
+    broker.append(IN, 0, b"k0", b"v0")
+    await h.start(TP0)
+    await until(lambda: h.processor.calls == [(0, 0)])
+    await asyncio.sleep(0.05)
+    assert h.service._parts[TP0].producer.calls == []
+    gate.set()
+    await until(lambda: outputs(broker) == [b"v0"])
+    assert h.service._parts[TP0].producer.calls == ["begin", "send", "offsets", "commit"]
     await h.stop()

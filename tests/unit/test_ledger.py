@@ -110,6 +110,40 @@ def test_too_many_open_offsets_fall_back_to_the_contiguous_prefix() -> None:
     assert [o for o, _ in plan.items] == [0]
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    offsets=st.lists(st.integers(min_value=0, max_value=3), min_size=1, max_size=30),
+    seed=st.integers(min_value=0, max_value=2**32),
+    start=st.integers(min_value=0, max_value=1000),
+)
+def test_the_settled_position_is_what_the_commit_writes_once_all_received_are_done(
+    offsets: list[int], seed: int, start: int
+) -> None:
+    # What a transaction opened ahead sends as its offset (see the engine's commit
+    # loop): right whenever every record received by then is done at the commit.
+    ledger: Ledger[str] = Ledger(start=start)
+    received, o = [], start
+    for gap in offsets:  # gaps: transaction markers in the input
+        o += gap
+        assert ledger.receive(o)
+        received.append(o)
+        o += 1
+    predicted = ledger.settled_position()
+    random.Random(seed).shuffle(received)
+    for r in received:
+        ledger.complete(r, "x")
+    plan = ledger.plan()
+    assert plan is not None
+    assert (plan.offset, plan.metadata) == (predicted, "")
+
+
+def test_no_settled_position_while_restored_offsets_are_open() -> None:
+    ledger: Ledger[str] = Ledger(start=100, metadata=encode_metadata(100, 200, [150]))
+    assert ledger.receive(100)
+    assert ledger.settled_position() is None  # 150 is still to come
+    assert Ledger[str]().settled_position() is None  # nothing received yet
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     n=st.integers(min_value=1, max_value=60),

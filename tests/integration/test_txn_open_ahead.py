@@ -1,0 +1,145 @@
+"""Transactions opened ahead (CRS_TXN_OPEN_AHEAD_MS) on the real broker.
+
+The engine begins a quiet partition's transaction and sends its offset while the records
+wait on the Kubernetes API, and sends the offset again if it moved meanwhile; it relies
+on the broker keeping the *last* offset a transaction sent, and on an aborted
+transaction committing none. Both are checked here against Kafka itself, then the engine
+with records that wait (as a PATCH does) end to end: every output exactly once, the
+offsets committed, and the transactions it opened ahead were the ones that committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.structs import OffsetAndMetadata, TopicPartition
+
+from service.stream.codec import InputRef
+from service.stream.consumer import StreamService, StreamSettings
+from service.stream.metrics import StreamMetrics
+from service.stream.processor import OutRecord
+from tests.conftest import DevStack
+
+pytestmark = pytest.mark.integration
+
+
+async def committed(bootstrap: str, group: str, tp: TopicPartition) -> OffsetAndMetadata | None:
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group)
+    await consumer.start()
+    try:
+        found = await consumer._coordinator.fetch_committed_offsets([tp])
+        return found.get(tp)
+    finally:
+        await consumer.stop()
+
+
+async def read_all(bootstrap: str, topic: str, expect: int, timeout_s: float = 30) -> list[bytes]:
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        isolation_level="read_committed",
+        group_id=None,
+    )
+    await consumer.start()
+    values: list[bytes] = []
+    try:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while len(values) < expect and asyncio.get_running_loop().time() < deadline:
+            batch = await consumer.getmany(timeout_ms=200)
+            values += [r.value for recs in batch.values() for r in recs if r.value is not None]
+        await asyncio.sleep(0.5)  # one too many shows up too
+        batch = await consumer.getmany(timeout_ms=200)
+        values += [r.value for recs in batch.values() for r in recs if r.value is not None]
+        return values
+    finally:
+        await consumer.stop()
+
+
+async def test_the_broker_keeps_the_last_offset_of_a_transaction_and_none_of_an_abort(
+    devstack: DevStack, new_topic: Callable[..., Awaitable[str]]
+) -> None:
+    bootstrap = devstack.kafka_bootstrap
+    source, out = await new_topic("ahead-in"), await new_topic("ahead-out")
+    tp, group = TopicPartition(source, 0), f"g-ahead-{uuid.uuid4().hex[:8]}"
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, transactional_id=f"tx-{group}", retry_backoff_ms=10
+    )
+    await producer.start()
+    try:
+        # Opened ahead with offset 5; the commit found the watermark at 3 after all.
+        await producer.begin_transaction()
+        await producer.send_offsets_to_transaction({tp: OffsetAndMetadata(5, "")}, group)
+        await (await producer.send(out, b"one"))
+        await producer.send_offsets_to_transaction({tp: OffsetAndMetadata(3, "crs1:2:")}, group)
+        await producer.commit_transaction()
+        assert await committed(bootstrap, group, tp) == OffsetAndMetadata(3, "crs1:2:")
+        # Opened ahead, nothing decided: aborted, nothing of it committed.
+        await producer.begin_transaction()
+        await producer.send_offsets_to_transaction({tp: OffsetAndMetadata(9, "")}, group)
+        await producer.abort_transaction()
+        assert await committed(bootstrap, group, tp) == OffsetAndMetadata(3, "crs1:2:")
+    finally:
+        await producer.stop()
+    assert await read_all(bootstrap, out, 1) == [b"one"]
+
+
+class WaitingProcessor:
+    """Decides every record after ``wait_s`` (a PATCH's round trip, say)."""
+
+    dlq_topic = "unused-dlq"
+
+    def __init__(self, out: str, wait_s: float) -> None:
+        self.out, self.wait_s = out, wait_s
+
+    async def process(
+        self, ref: InputRef, key: bytes | None, value: bytes | None, headers: Any, **_: Any
+    ) -> OutRecord:
+        await asyncio.sleep(self.wait_s)
+        return OutRecord(topic=self.out, key=key, value=value, headers=[])
+
+    def stub(self, *args: Any, **kwargs: Any) -> OutRecord:
+        raise AssertionError("no record here becomes a stub")
+
+
+async def test_records_that_wait_are_committed_in_transactions_opened_ahead(
+    devstack: DevStack, new_topic: Callable[..., Awaitable[str]]
+) -> None:
+    bootstrap = devstack.kafka_bootstrap
+    source, out = await new_topic("ahead-in", 2), await new_topic("ahead-out", 2)
+    group = f"g-ahead-{uuid.uuid4().hex[:8]}"
+    metrics = StreamMetrics()
+    settings = StreamSettings(
+        input_topic=source,
+        group_id=group,
+        client_args={"bootstrap_servers": bootstrap},
+        poll_timeout_ms=100,
+    )
+    service = StreamService(settings, WaitingProcessor(out, 0.03), metrics)  # type: ignore[arg-type]
+    await service.start()
+    run = asyncio.create_task(service.run())
+    publisher = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await publisher.start()
+    sent = [b"v%03d" % i for i in range(40)]
+    try:
+        for i, value in enumerate(sent):  # a quiet stream: one record at a time
+            await publisher.send_and_wait(source, value, key=b"k%d" % i, partition=i % 2)
+            await asyncio.sleep(0.05)
+        assert sorted(await read_all(bootstrap, out, len(sent))) == sent
+    finally:
+        await publisher.stop()
+        service.request_stop()
+        await asyncio.wait_for(run, 30)
+        await service.close()
+    for p in (0, 1):
+        found = await committed(bootstrap, group, TopicPartition(source, p))
+        assert found is not None
+        assert found.offset == 20  # each partition's 20 records (offsets 0-19) committed
+    ahead = metrics.opened_ahead
+    assert ahead.labels("committed")._value.get() >= len(sent) * 0.8  # the usual path
+    assert ahead.labels("aborted")._value.get() == 0
