@@ -354,13 +354,19 @@ class StreamService:
             # fetches them again on resume (measured: +40 % CPU per event in a backlog).
             # A partition left out keeps one fetched response buffered, no more.
             open_tps = [tp for tp, part in self._parts.items() if not part.backpressured]
-            if not open_tps:
+            if not open_tps and self._parts:
                 self._capacity.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._capacity.wait(), self._s.poll_timeout_ms / 1000)
                 self._update_lag()
                 continue
             try:
+                # With no partition at all, getmany() is still called (asking for every
+                # assigned one: none, or those being taken over, which are paused). It is
+                # where aiokafka hands its group errors to the user, and its group
+                # coordinator waits until the user has taken them: measured after a
+                # broker restart, one SyncGroup answered GroupLoadInProgress left a member
+                # that had no partition yet without any, for good.
                 batch: dict[TopicPartition, list[ConsumerRecord]] = await consumer.getmany(
                     *open_tps, timeout_ms=self._s.poll_timeout_ms, max_records=self._s.max_batch
                 )

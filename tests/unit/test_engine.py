@@ -472,6 +472,22 @@ async def test_a_failing_fetch_keeps_the_loop_turning_and_says_why(broker: FakeB
     await h.stop()
 
 
+async def test_a_member_without_partitions_still_takes_the_group_errors(
+    broker: FakeBroker,
+) -> None:
+    # aiokafka's group coordinator waits until the user has taken a group error (from
+    # getmany) before it joins again: a fetch loop that stopped asking while it had no
+    # partition left the member without any for good (seen after a broker restart).
+    from aiokafka.errors import KafkaError
+
+    h = Harness(broker, retry_backoff_max_s=0.05)
+    broker.fail_fetches = [KafkaError("SyncGroup: GroupLoadInProgressError")]
+    await h.start()  # no partition assigned
+    await until(lambda: not broker.fail_fetches)
+    await until(lambda: h.service.fetch_error is None)  # asked again, and it worked
+    await h.stop()
+
+
 async def test_lag_is_reported_from_assignment_on(broker: FakeBroker) -> None:
     h = Harness(broker)
     gate = h.processor.gates[b"v0"] = asyncio.Event()
