@@ -724,8 +724,6 @@ class StreamService:
             sent, part.ahead = part.ahead, None
             if sent is None:
                 await producer.begin_transaction()
-            else:
-                self._metrics.opened_ahead.labels("committed").inc()
             try:
                 # Outputs first, offsets second: aiokafka's sender then adds the output
                 # partitions to the transaction and, while the records are produced, the
@@ -743,6 +741,8 @@ class StreamService:
                 await _abort_quietly(producer)
                 raise
             await producer.commit_transaction()
+            if sent is not None:
+                self._metrics.opened_ahead.labels("committed").inc()
         else:
             await (await self._enqueue(self._shared_producer, plan)).settle()
             await self._consumer.commit(offsets)
