@@ -504,18 +504,27 @@ def ahead_count(h: Harness, outcome: str) -> float:
     return h.metrics.opened_ahead.labels(outcome)._value.get()  # type: ignore[no-any-return]
 
 
+async def one_waiting_record(
+    broker: FakeBroker, key: bytes = b"k0", value: bytes = b"v0", **settings: Any
+) -> tuple[Harness, asyncio.Event, FakeProducer]:
+    """A partition with one record undecided until ``gate`` is set (a PATCH in flight),
+    once its transaction has been opened ahead."""
+    h = Harness(broker, **settings)
+    gate = h.processor.gates[value] = asyncio.Event()
+    broker.append(IN, 0, key, value)
+    await h.start(TP0)
+    await until(lambda: TP0 in h.service._parts)
+    producer: FakeProducer = h.service._parts[TP0].producer
+    await until(lambda: producer.calls == ["begin", "offsets"])
+    return h, gate, producer
+
+
 async def test_a_partition_waiting_on_the_api_opens_its_transaction_ahead(
     broker: FakeBroker,
 ) -> None:
     # The record is undecided (a PATCH in flight): the transaction is begun and its
     # offset sent meanwhile; after the decision only the output and the end remain.
-    h = Harness(broker)
-    gate = h.processor.gates[b"v0"] = asyncio.Event()
-    broker.append(IN, 0, b"k0", b"v0")
-    await h.start(TP0)
-    await until(lambda: TP0 in h.service._parts)
-    producer = h.service._parts[TP0].producer
-    await until(lambda: producer.calls == ["begin", "offsets"])
+    h, gate, producer = await one_waiting_record(broker)
     assert outputs(broker) == []
     assert ("g", TP0) not in broker.committed
     gate.set()
@@ -527,13 +536,7 @@ async def test_a_partition_waiting_on_the_api_opens_its_transaction_ahead(
 
 
 async def test_an_offset_that_moved_while_open_ahead_is_sent_again(broker: FakeBroker) -> None:
-    h = Harness(broker)
-    gate = h.processor.gates[b"x0"] = asyncio.Event()
-    broker.append(IN, 0, b"x", b"x0")
-    await h.start(TP0)
-    await until(lambda: TP0 in h.service._parts)
-    producer = h.service._parts[TP0].producer
-    await until(lambda: producer.calls == ["begin", "offsets"])  # offset 1 sent ahead
+    h, gate, producer = await one_waiting_record(broker, b"x", b"x0")  # offset 1 sent ahead
     broker.append(IN, 0, b"y", b"y0")  # decided at once, behind the stuck x0
     await until(lambda: outputs(broker) == [b"y0"])
     assert producer.calls == ["begin", "offsets", "send", "offsets", "commit"]
@@ -563,13 +566,7 @@ async def test_a_transaction_open_ahead_too_long_is_aborted(broker: FakeBroker) 
 
 
 async def test_stopping_aborts_a_transaction_open_ahead(broker: FakeBroker) -> None:
-    h = Harness(broker, stop_wait_s=0.05)
-    h.processor.gates[b"v0"] = asyncio.Event()  # never decided
-    broker.append(IN, 0, b"k0", b"v0")
-    await h.start(TP0)
-    await until(lambda: TP0 in h.service._parts)
-    producer = h.service._parts[TP0].producer
-    await until(lambda: producer.calls == ["begin", "offsets"])
+    h, _, producer = await one_waiting_record(broker, stop_wait_s=0.05)  # never decided
     await h.stop()
     # Ended without committing the offset sent ahead: aborted, or (here, a partition
     # never committed before) committed at the undecided record itself.
