@@ -163,16 +163,16 @@ class Ledger(Generic[T]):
             candidates.append(self._restored_open[0])
         if candidates:
             return min(candidates)
-        if self._next is None:
-            return None
-        if self._high is not None and self._high >= self._next:
-            return self._high + 1
-        return self._next
+        return self._past_received()
 
     def settled_position(self) -> int | None:
         """The watermark once every record received so far is done (with no metadata);
         None while restored offsets are still open or nothing was received."""
-        if self._restored_open or self._next is None:
+        return None if self._restored_open else self._past_received()
+
+    def _past_received(self) -> int | None:
+        """The watermark with nothing open: past every record received and every one done."""
+        if self._next is None:
             return None
         if self._high is not None and self._high >= self._next:
             return self._high + 1
