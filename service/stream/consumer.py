@@ -43,7 +43,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -224,6 +224,30 @@ class _Partition:
         # when it is aborted if nothing has been decided by then.
         self.ahead: int | None = None
         self.ahead_until = 0.0
+
+
+class _TokenBucket:
+    """A partition's commit pace (see _commit_loop): one token per ``interval`` seconds,
+    at most ``burst`` saved."""
+
+    __slots__ = ("burst", "filled", "interval", "tokens")
+
+    def __init__(self, interval: float, burst: float, now: float) -> None:
+        self.interval, self.burst = interval, burst
+        self.tokens, self.filled = burst, now
+
+    def level(self, now: float) -> float:
+        """The tokens saved by ``now``."""
+        self.tokens = min(self.burst, self.tokens + (now - self.filled) / self.interval)
+        self.filled = now
+        return self.tokens
+
+    def until_next(self) -> float:
+        """Seconds until a whole token is saved (from the last ``level``)."""
+        return (1 - self.tokens) * self.interval
+
+    def take(self) -> None:
+        self.tokens = max(self.tokens - 1, 0.0)
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -574,10 +598,10 @@ class StreamService:
         # topic; if the offset changed meanwhile (more records arrived), it is sent again
         # (the broker keeps the last one of a transaction). Nothing decided within
         # txn_open_ahead_max_s: the transaction is aborted, which loses nothing.
-        interval = self._s.commit_interval_ms / 1000
-        burst = float(max(self._s.commit_burst, 1))
+        bucket = _TokenBucket(
+            self._s.commit_interval_ms / 1000, float(max(self._s.commit_burst, 1)), self._clock()
+        )
         ahead_after = self._s.txn_open_ahead_ms / 1000
-        tokens, filled = burst, self._clock()
         while not part.closed:
             if part.ahead is None:
                 await part.wake.wait()
@@ -590,8 +614,7 @@ class StreamService:
             if part.closed:
                 break
             now = self._clock()
-            tokens = min(burst, tokens + (now - filled) / interval)
-            filled = now
+            tokens = bucket.level(now)
             if not part.ledger.done_uncommitted:
                 if part.ahead is not None:
                     if now >= part.ahead_until:
@@ -602,7 +625,7 @@ class StreamService:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(part.wake.wait(), ahead_after)
                     if part.ledger.pending and not part.ledger.done_uncommitted:
-                        tokens -= 1  # the transaction's token, spent when it begins
+                        bucket.take()  # the transaction's token, spent when it begins
                         await self._open_ahead(part)
                 continue
             if part.ahead is None:
@@ -610,12 +633,10 @@ class StreamService:
                     if tokens >= 1 or part.ledger.done_uncommitted >= self._s.commit_max_records:
                         break
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(part.wake.wait(), (1 - tokens) * interval)
+                        await asyncio.wait_for(part.wake.wait(), bucket.until_next())
                     part.wake.clear()
-                    now = self._clock()
-                    tokens = min(burst, tokens + (now - filled) / interval)
-                    filled = now
-                tokens = max(tokens - 1, 0.0)
+                    tokens = bucket.level(self._clock())
+                bucket.take()
             if not part.closed:
                 await self._commit(part)
 
@@ -635,13 +656,7 @@ class StreamService:
                 part.ahead, part.ahead_until = offset, self._clock() + self._s.txn_open_ahead_max_s
                 await producer.send_offsets_to_transaction(offsets, self._s.group_id)
 
-            try:
-                await asyncio.wait_for(begin(), self._s.commit_timeout_s)
-            except ProducerFenced:
-                self._metrics.commit_failures.labels("fenced").inc()
-                self._fenced(part)
-            except Exception as exc:
-                self._commit_failed(part, exc)
+            await self._outside_commit(part, begin())
 
     async def _abort_ahead(self, part: _Partition) -> None:
         async with part.commit_lock:
@@ -651,11 +666,12 @@ class StreamService:
     async def _abort_ahead_locked(self, part: _Partition) -> None:
         part.ahead = None
         self._metrics.opened_ahead.labels("aborted").inc()
+        await self._outside_commit(part, part.producer.abort_transaction())
+
+    async def _outside_commit(self, part: _Partition, request: Awaitable[None]) -> None:
+        """A transaction request made outside a commit, bounded and failing like one."""
         try:
-            await asyncio.wait_for(part.producer.abort_transaction(), self._s.commit_timeout_s)
-        except ProducerFenced:
-            self._metrics.commit_failures.labels("fenced").inc()
-            self._fenced(part)
+            await asyncio.wait_for(request, self._s.commit_timeout_s)
         except Exception as exc:
             self._commit_failed(part, exc)
 
@@ -676,10 +692,6 @@ class StreamService:
         started = time.perf_counter()
         try:
             await asyncio.wait_for(self._send(part, plan), self._s.commit_timeout_s)
-        except ProducerFenced:
-            self._metrics.commit_failures.labels("fenced").inc()
-            self._fenced(part)
-            return False
         except _Rejected as rejected:
             stubbed = self._oversized.setdefault(tp, set())
             if isinstance(rejected.error, (*_TOO_LARGE, *_INVALID)) and stubbed.isdisjoint(
@@ -698,7 +710,7 @@ class StreamService:
             else:
                 self._commit_failed(part, rejected.error)
             return False
-        except Exception as exc:  # broker, network or client trouble: take it over afresh
+        except Exception as exc:  # fenced, or broker, network or client trouble
             self._commit_failed(part, exc)
             return False
         part.ledger.committed(plan)
@@ -762,6 +774,11 @@ class StreamService:
         return deliveries
 
     def _commit_failed(self, part: _Partition, exc: BaseException) -> None:
+        """A request of ``part``'s transaction failed: fenced, or take it over afresh."""
+        if isinstance(exc, ProducerFenced):
+            self._metrics.commit_failures.labels("fenced").inc()
+            self._fenced(part)
+            return
         tp = part.tp
         authz = isinstance(exc, _AUTHZ)
         reason = "authorization" if authz else "transient"
