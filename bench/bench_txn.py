@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 from _common import OutputReader, create_topics, delete_topics, env_endpoints, load
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -58,22 +60,36 @@ async def check(bootstrap: str, topic: str, group: str, n: int) -> None:
         )
 
 
-async def ahead(bootstrap: str, n: int) -> tuple[list[float], list[float]]:
-    """Seconds from decision to commit: (the usual way, opened ahead), n/2 of each."""
+@contextlib.asynccontextmanager
+async def transactions(
+    bootstrap: str, backoff_ms: int, n: int
+) -> AsyncIterator[tuple[AIOKafkaProducer, str, str, TopicPartition]]:
+    """``(producer, topic, group, tp)``: a transactional producer on a fresh topic, after
+    one transaction (coordinator lookups and metadata are not timed); the body commits
+    transactions 0..n-1 (record key ``i``, offset ``i + 1``), checked afterwards."""
     topic = f"bench-txn-{uuid.uuid4().hex[:8]}"
     group = f"g-{topic}"
     await create_topics(bootstrap, {topic: 1})
     tp = TopicPartition(topic, 0)
     producer = AIOKafkaProducer(
-        bootstrap_servers=bootstrap, transactional_id=topic, retry_backoff_ms=10
+        bootstrap_servers=bootstrap, transactional_id=topic, retry_backoff_ms=backoff_ms
     )
     await producer.start()
-    usual: list[float] = []
-    opened: list[float] = []
     try:
         async with producer.transaction():
             await producer.send_offsets_to_transaction({tp: OffsetAndMetadata(0, "")}, group)
             await (await producer.send(topic, b"warm-up", key=b"k"))
+        yield producer, topic, group, tp
+    finally:
+        await producer.stop()
+    await check(bootstrap, topic, group, n)
+
+
+async def ahead(bootstrap: str, n: int) -> tuple[list[float], list[float]]:
+    """Seconds from decision to commit: (the usual way, opened ahead), n/2 of each."""
+    usual: list[float] = []
+    opened: list[float] = []
+    async with transactions(bootstrap, 10, n) as (producer, topic, group, tp):
         for i in range(n):
             await asyncio.sleep(0.05)
             offsets = {tp: OffsetAndMetadata(i + 1, "")}
@@ -94,27 +110,12 @@ async def ahead(bootstrap: str, n: int) -> tuple[list[float], list[float]]:
                     await producer.send_offsets_to_transaction(offsets, group)
                     await fut
                 usual.append(time.perf_counter() - decided)
-    finally:
-        await producer.stop()
-    await check(bootstrap, topic, group, n)
     return usual, opened
 
 
 async def one(bootstrap: str, backoff_ms: int, n: int) -> tuple[float, float]:
     """(wall s, CPU s) per transaction for ``n`` back-to-back transactions."""
-    topic = f"bench-txn-{uuid.uuid4().hex[:8]}"
-    group = f"g-{topic}"
-    await create_topics(bootstrap, {topic: 1})
-    tp = TopicPartition(topic, 0)
-    producer = AIOKafkaProducer(
-        bootstrap_servers=bootstrap, transactional_id=topic, retry_backoff_ms=backoff_ms
-    )
-    await producer.start()
-    try:
-        # One transaction first: coordinator lookups and metadata are not timed.
-        async with producer.transaction():
-            await producer.send_offsets_to_transaction({tp: OffsetAndMetadata(0, "")}, group)
-            await (await producer.send(topic, b"warm-up", key=b"k"))
+    async with transactions(bootstrap, backoff_ms, n) as (producer, topic, group, tp):
         cpu0, wall0 = time.process_time(), time.monotonic()
         for i in range(n):
             async with producer.transaction():
@@ -122,9 +123,6 @@ async def one(bootstrap: str, backoff_ms: int, n: int) -> tuple[float, float]:
                 await producer.send_offsets_to_transaction(offsets, group)
                 await (await producer.send(topic, b"x" * 600, key=b"%d" % i))
         wall, cpu = time.monotonic() - wall0, time.process_time() - cpu0
-    finally:
-        await producer.stop()
-    await check(bootstrap, topic, group, n)
     return wall / n, cpu / n
 
 
