@@ -23,6 +23,7 @@ from service.stream.codec import InputRef
 from service.stream.consumer import StreamService, StreamSettings
 from service.stream.metrics import StreamMetrics
 from service.stream.processor import OutRecord
+from tests import e2e
 from tests.conftest import DevStack
 
 pytestmark = pytest.mark.integration
@@ -34,29 +35,6 @@ async def committed(bootstrap: str, group: str, tp: TopicPartition) -> OffsetAnd
     try:
         found = await consumer._coordinator.fetch_committed_offsets([tp])
         return found.get(tp)
-    finally:
-        await consumer.stop()
-
-
-async def read_all(bootstrap: str, topic: str, expect: int, timeout_s: float = 30) -> list[bytes]:
-    consumer = AIOKafkaConsumer(
-        topic,
-        bootstrap_servers=bootstrap,
-        auto_offset_reset="earliest",
-        isolation_level="read_committed",
-        group_id=None,
-    )
-    await consumer.start()
-    values: list[bytes] = []
-    try:
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while len(values) < expect and asyncio.get_running_loop().time() < deadline:
-            batch = await consumer.getmany(timeout_ms=200)
-            values += [r.value for recs in batch.values() for r in recs if r.value is not None]
-        await asyncio.sleep(0.5)  # one too many shows up too
-        batch = await consumer.getmany(timeout_ms=200)
-        values += [r.value for recs in batch.values() for r in recs if r.value is not None]
-        return values
     finally:
         await consumer.stop()
 
@@ -86,7 +64,7 @@ async def test_the_broker_keeps_the_last_offset_of_a_transaction_and_none_of_an_
         assert await committed(bootstrap, group, tp) == OffsetAndMetadata(3, "crs1:2:")
     finally:
         await producer.stop()
-    assert await read_all(bootstrap, out, 1) == [b"one"]
+    assert [r.value for r in await e2e.read_all(bootstrap, out, 1)] == [b"one"]
 
 
 class WaitingProcessor:
@@ -130,7 +108,8 @@ async def test_records_that_wait_are_committed_in_transactions_opened_ahead(
         for i, value in enumerate(sent):  # a quiet stream: one record at a time
             await publisher.send_and_wait(source, value, key=b"k%d" % i, partition=i % 2)
             await asyncio.sleep(0.05)
-        assert sorted(await read_all(bootstrap, out, len(sent))) == sent
+        outputs = await e2e.read_all(bootstrap, out, len(sent), partitions=2)
+        assert sorted(r.value for r in outputs) == sent
     finally:
         await publisher.stop()
         service.request_stop()
