@@ -624,6 +624,85 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+# Which process plays which part in a benchmark, by a marker in its command line.
+ROLES = (
+    ("kube-apiserver", "apiserver"),
+    ("kafka.Kafka", "kafka"),
+    ("crs-devstack/etcd", "etcd"),
+    ("-m service run", "service"),
+    ("raw_eos.py", "raw"),
+    ("bench/", "bench"),
+)
+
+
+def cpu_by_role() -> dict[str, float]:
+    """CPU seconds so far of each role's processes (summed; this process is "bench")."""
+    out: dict[str, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            role = next((r for marker, r in ROLES if marker in cmd), None)
+            if role is not None:
+                out[role] = out.get(role, 0.0) + cpu_seconds(int(entry.name))
+        except OSError:  # the process ended meanwhile
+            continue
+    return out
+
+
+def cores_between(
+    before: dict[str, float], after: dict[str, float], seconds: float
+) -> dict[str, float]:
+    """Average cores each role used between two ``cpu_by_role`` samples."""
+    return {k: (v - before.get(k, 0.0)) / max(seconds, 1e-9) for k, v in after.items()}
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """One verb's Kubernetes requests as the service's /metrics counts them."""
+
+    count: int
+    ok: int  # answered 2xx
+    mean_s: float
+    p99_le_s: float  # the histogram bucket holding the 99th percentile (an upper bound)
+
+
+def request_stats(metrics_text: str, verb: str, kind: str = "reservations") -> RequestStats:
+    """``verb`` requests on ``kind`` from the service's Prometheus text (empty: zeros)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    buckets: list[tuple[float, float]] = []
+    count = total = ok = 0.0
+    for family in text_string_to_metric_families(metrics_text):
+        for smp in family.samples:
+            if smp.labels.get("verb") != verb or smp.labels.get("kind") != kind:
+                continue
+            if smp.name == "crs_k8s_request_duration_seconds_bucket":
+                buckets.append((float(smp.labels["le"]), smp.value))
+            elif smp.name == "crs_k8s_request_duration_seconds_count":
+                count = smp.value
+            elif smp.name == "crs_k8s_request_duration_seconds_sum":
+                total = smp.value
+            elif smp.name == "crs_k8s_requests_total" and smp.labels.get("code", "").startswith(
+                "2"
+            ):
+                ok += smp.value
+    p99 = next((le for le, n in sorted(buckets) if n >= 0.99 * count), float("inf"))
+    return RequestStats(int(count), int(ok), total / count if count else 0.0, p99)
+
+
+async def http_text(url: str, timeout_s: float = 10.0) -> str:
+    """The body of a GET that must answer 200 (e.g. a /metrics scrape)."""
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
+        session.get(url) as resp,
+    ):
+        if resp.status != 200:
+            raise RuntimeError(f"GET {url}: {resp.status}")
+        return await resp.text()
+
+
 async def wait_http_ok(url: str, timeout_s: float, proc: Any = None) -> None:
     deadline = time.monotonic() + timeout_s
     last = "no answer"

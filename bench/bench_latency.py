@@ -20,10 +20,17 @@ record is published; the same publisher (paced sends, acks=all) and the same rea
 (fetch wait 50 ms) measure both. Raw and service alternate per rate. The placements'
 Reservations have their allocations cleared before each service run.
 
+Also reported, per run and per rate: the cores each process used from the first publish
+until the last output was seen (``/proc``; on this 2-core machine a sum near 2 means the
+latencies include waiting for a CPU), and for the service its PATCHes as its own
+``/metrics`` timed them (mean, and the histogram bucket holding their p99). The service's
+runs carry the API server's work for the placements, which the raw loop does not: these
+columns say how much of a placement's latency is the write and the machine.
+
 Fails (exit 1) when the workload did not happen: the rate not reached by the publisher,
 an output missing after the drain timeout (shown as an infinite latency, the
 other rates are still measured), one output too many, or for the service a placement
-that was not written.
+that was not written or fewer PATCHes answered 2xx than placements.
 """
 
 from __future__ import annotations
@@ -32,22 +39,29 @@ import argparse
 import asyncio
 import random
 import sys
+import time
 import uuid
+from dataclasses import dataclass, field
 
 import msgspec
 from _common import (
     Cluster,
     OutputReader,
     Record,
+    RequestStats,
+    cores_between,
+    cpu_by_role,
     create_topics,
     delete_topics,
     env_endpoints,
     free_port,
+    http_text,
     load,
     no_host_found,
     pct,
     publish_paced,
     raw_eos_args,
+    request_stats,
     service_config,
     slot_used,
     spawn,
@@ -63,6 +77,33 @@ GOAL_UP_TO = 200.0
 
 class WorkloadError(RuntimeError):
     """The run did not do what the benchmark describes: its figures mean nothing."""
+
+
+@dataclass
+class Run:
+    """One run's latencies (s; inf: never seen) and what the machine did meanwhile."""
+
+    lat: list[float]
+    # Average cores per role from the first publish until the last output was seen: on
+    # two cores, a total near 2 means the latencies include waiting for a CPU.
+    cores: dict[str, float] = field(default_factory=dict)
+    # The service's guarded PATCHes (its /metrics): how much of a placement's latency the
+    # API server alone took.
+    patch: RequestStats | None = None
+
+
+def format_cores(cores: dict[str, float]) -> str:
+    busy = " ".join(f"{k} {v:.2f}" for k, v in sorted(cores.items(), key=lambda kv: -kv[1]))
+    return f"{busy} (sum {sum(cores.values()):.2f})"
+
+
+def latencies(runs: list[Run]) -> list[float]:
+    return [x for run in runs for x in run.lat]
+
+
+def mean_cores(runs: list[Run]) -> dict[str, float]:
+    roles = {k for run in runs for k in run.cores}
+    return {k: sum(run.cores.get(k, 0.0) for run in runs) / max(len(runs), 1) for k in roles}
 
 
 def stream(rng: random.Random, n: int, hosts: int, n_hv: int) -> tuple[list[Record], int]:
@@ -82,7 +123,7 @@ async def one_run(
     kubeconfig: str,
     rep: int,
     failures: list[str],
-) -> list[float]:
+) -> Run:
     """Latencies (s) of every record of one run (inf: never seen; then the problem is
     added to ``failures``); raises WorkloadError when the run cannot be measured."""
     topics = {k: topic_name(f"lat-{who}-{k}") for k in ("input", "output", "dlq")}
@@ -109,8 +150,10 @@ async def one_run(
             proc = spawn(raw_args, None, log)
         await wait_group_stable(bootstrap, group, 1, 60)
         await reader.start()
+        cpu0, t0 = cpu_by_role(), time.monotonic()
         sent = await publish_paced(bootstrap, topics["input"], records, rate)
         drained = await reader.wait_for(sent, timeout_s=max(120.0, 6 * args.seconds))
+        cores = cores_between(cpu0, cpu_by_role(), time.monotonic() - t0)
         await asyncio.sleep(0.5)  # anything beyond one output per input shows up too
         if proc.poll() is not None:
             raise WorkloadError(f"{who} exited with {proc.returncode} (log {log})")
@@ -122,9 +165,10 @@ async def one_run(
                 f"{who} at {rate:g}/s: {missing} of {len(sent)} outputs missing "
                 f"{drain:.0f} s after the last publish"
             )
-            return [reader.seen.get(k, float("inf")) - t for k, t in sent.items()]
+            return Run([reader.seen.get(k, float("inf")) - t for k, t in sent.items()], cores)
         if reader.count != len(sent):
             raise WorkloadError(f"{who}: {reader.count} outputs for {len(sent)} inputs")
+        patch = None
         if who == "service":
             datas = [msgspec.json.decode(v)["data"] for v in reader.values]
             written = sum(
@@ -132,15 +176,24 @@ async def one_run(
             )
             if written != placements:
                 raise WorkloadError(f"{written} allocations written for {placements} placements")
+            patch = request_stats(await http_text(f"http://127.0.0.1:{port}/metrics"), "patch")
+            if patch.ok < placements:
+                raise WorkloadError(f"{patch.ok} PATCHes answered 2xx for {placements} placements")
         lat = [reader.seen[k] - t for k, t in sent.items()]
         # Records alternate placement / no-host-found (see stream): the tail by kind says
         # whether the Kubernetes write or the engine makes it.
+        extra = ""
+        if patch is not None:
+            extra = (
+                f"; PATCH mean {patch.mean_s * 1e3:.1f} ms, p99 <= {patch.p99_le_s * 1e3:.0f} ms"
+            )
         print(
             f"    {who} {rate:g}/s p99 placements {pct(lat[0::2], 0.99) * 1e3:.1f} ms, "
-            f"no-host-found {pct(lat[1::2], 0.99) * 1e3:.1f} ms",
+            f"no-host-found {pct(lat[1::2], 0.99) * 1e3:.1f} ms{extra}; "
+            f"cores {format_cores(cores)}",
             flush=True,
         )
-        return lat
+        return Run(lat, cores, patch)
     finally:
         await reader.stop()
         if proc is not None:
@@ -166,19 +219,21 @@ async def main() -> int:
     async with Cluster.connect(kubeconfig) as cluster:
         print(await cluster.ensure(args.hypervisors))
 
-    rows: list[tuple[float, list[float], list[float]]] = []
+    rows: list[tuple[float, list[Run], list[Run]]] = []
     failures: list[str] = []
     try:
         for rate in rates:
-            raw: list[float] = []
-            svc: list[float] = []
+            raw: list[Run] = []
+            svc: list[Run] = []
             for rep in range(args.repetitions):
-                raw += await one_run("raw", rate, args, bootstrap, kubeconfig, rep, failures)
-                svc += await one_run("service", rate, args, bootstrap, kubeconfig, rep, failures)
+                raw.append(await one_run("raw", rate, args, bootstrap, kubeconfig, rep, failures))
+                svc.append(
+                    await one_run("service", rate, args, bootstrap, kubeconfig, rep, failures)
+                )
             rows.append((rate, raw, svc))
             print(
-                f"  {rate:5.0f}/s  raw p99 {pct(raw, 0.99) * 1e3:8.1f} ms   "
-                f"service p99 {pct(svc, 0.99) * 1e3:8.1f} ms   [{load()}]",
+                f"  {rate:5.0f}/s  raw p99 {pct(latencies(raw), 0.99) * 1e3:8.1f} ms   "
+                f"service p99 {pct(latencies(svc), 0.99) * 1e3:8.1f} ms   [{load()}]",
                 flush=True,
             )
     except WorkloadError as exc:
@@ -191,15 +246,16 @@ async def main() -> int:
     )
     print(
         f"{'rate/s':>7} {'events':>7} | {'raw p50':>8} {'p95':>7} {'p99':>7} | "
-        f"{'svc p50':>8} {'p95':>7} {'p99':>8} | {'p99 svc/raw':>11}"
+        f"{'svc p50':>8} {'p95':>7} {'p99':>8} | {'p99 svc/raw':>11} | {'svc p99 nhf':>11}"
     )
     goal = True
     for rate, raw, svc in rows:
-        r = [pct(raw, q) * 1e3 for q in (0.5, 0.95, 0.99)]
-        s = [pct(svc, q) * 1e3 for q in (0.5, 0.95, 0.99)]
+        r = [pct(latencies(raw), q) * 1e3 for q in (0.5, 0.95, 0.99)]
+        s = [pct(latencies(svc), q) * 1e3 for q in (0.5, 0.95, 0.99)]
+        nhf = pct([x for run in svc for x in run.lat[1::2]], 0.99) * 1e3
         print(
-            f"{rate:7.0f} {len(svc):7d} | {r[0]:8.1f} {r[1]:7.1f} {r[2]:7.1f} | "
-            f"{s[0]:8.1f} {s[1]:7.1f} {s[2]:8.1f} | {s[2] / r[2]:11.2f}"
+            f"{rate:7.0f} {len(latencies(svc)):7d} | {r[0]:8.1f} {r[1]:7.1f} {r[2]:7.1f} | "
+            f"{s[0]:8.1f} {s[1]:7.1f} {s[2]:8.1f} | {s[2] / r[2]:11.2f} | {nhf:11.1f}"
         )
         if rate <= GOAL_UP_TO and s[2] > r[2]:
             goal = False
@@ -207,6 +263,24 @@ async def main() -> int:
         f"goal service p99 <= raw p99 up to {GOAL_UP_TO:.0f}/s: "
         f"{'met' if goal else 'MISSED'}   [{load()}]"
     )
+    # What the machine did meanwhile: the service's runs also carry the API server's
+    # PATCH work, which the raw loop does not; on two cores that is most of the gap.
+    print()
+    print("cores in use while measuring (average over the runs; 2 on this machine)")
+    print(
+        f"{'rate/s':>7} | {'raw runs':>8} | {'svc runs':>8} {'apiserver':>9} {'kafka':>6} "
+        f"{'service':>7} | {'PATCH mean ms':>13} {'p99 <= ms':>9}"
+    )
+    for rate, raw, svc in rows:
+        rc, sc = mean_cores(raw), mean_cores(svc)
+        patches = [run.patch for run in svc if run.patch is not None and run.patch.count]
+        mean = sum(p.mean_s * p.count for p in patches) / max(sum(p.count for p in patches), 1)
+        p99 = max((p.p99_le_s for p in patches), default=0.0)
+        print(
+            f"{rate:7.0f} | {sum(rc.values()):8.2f} | {sum(sc.values()):8.2f} "
+            f"{sc.get('apiserver', 0.0):9.2f} {sc.get('kafka', 0.0):6.2f} "
+            f"{sc.get('service', 0.0):7.2f} | {mean * 1e3:13.1f} {p99 * 1e3:9.0f}"
+        )
     for failure in failures:
         print(f"WORKLOAD FAILED: {failure}")
     if failures:

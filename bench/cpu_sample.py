@@ -14,38 +14,10 @@ and those in which the raw loop was busy.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-from pathlib import Path
 
-from _common import cpu_seconds
-
-ROLES = (
-    ("kube-apiserver", "apiserver"),
-    ("kafka.Kafka", "kafka"),
-    ("crs-devstack/etcd", "etcd"),
-    ("-m service run", "service"),
-    ("raw_eos.py", "raw"),
-    ("bench/", "bench"),
-)
-
-
-def sample() -> dict[str, float]:
-    """CPU seconds so far of each role's processes (summed)."""
-    out: dict[str, float] = {}
-    me = os.getpid()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == me:
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            role = next((r for marker, r in ROLES if marker in cmd), None)
-            if role is not None:
-                out[role] = out.get(role, 0.0) + cpu_seconds(int(entry.name))
-        except OSError:  # the process ended meanwhile
-            continue
-    return out
+from _common import cpu_by_role
 
 
 def main() -> int:
@@ -55,12 +27,12 @@ def main() -> int:
     args = ap.parse_args()
     sink = sys.stdout if args.out == "-" else open(args.out, "w")  # noqa: SIM115
     rows: list[dict[str, float]] = []
-    prev, t_prev = sample(), time.monotonic()
+    prev, t_prev = cpu_by_role(), time.monotonic()
     deadline = t_prev + args.seconds
     try:
         while time.monotonic() < deadline:
             time.sleep(1.0)
-            cur, now = sample(), time.monotonic()
+            cur, now = cpu_by_role(), time.monotonic()
             row = {k: (v - prev.get(k, v)) / (now - t_prev) for k, v in cur.items()}
             rows.append(row)
             line = " ".join(f"{k}={v:.2f}" for k, v in sorted(row.items()))
