@@ -1,6 +1,7 @@
 """Why the engine sets the transactional producers' retry back-off (issue 11).
 
-Run: ``.venv/bin/python bench/bench_txn.py [--transactions 200] [--backoffs 100,20,10]``
+Run: ``.venv/bin/python bench/bench_txn.py [--transactions 200] [--backoffs 100,20,10]
+[--first offsets|outputs|both]``
 
 Measured: wall time and client CPU per transaction of one aiokafka transactional
 producer committing transactions back to back, each holding one consumer-group offset
@@ -8,7 +9,10 @@ commit and one produced record (what one engine commit of a quiet partition is),
 each ``retry_backoff_ms``. A transaction begun right after the previous commit is
 answered CONCURRENT_TRANSACTIONS until the broker has written that one's markers, and
 aiokafka retries after ``retry_backoff_ms``: with its default of 100 ms every
-back-to-back transaction takes about 100 ms.
+back-to-back transaction takes about 100 ms. That holds when the transaction's first
+request adds the consumer group (offsets first, the default here); when it adds an
+output partition (``--first outputs``) aiokafka waits a fixed 20 ms instead, whatever the
+back-off (``--first both`` measures each back-off both ways).
 
 With ``--ahead``, it measures what opening a transaction ahead saves
 (``CRS_TXN_OPEN_AHEAD_MS``): transactions paced one per 50 ms (a quiet partition), each
@@ -113,15 +117,23 @@ async def ahead(bootstrap: str, n: int) -> tuple[list[float], list[float]]:
     return usual, opened
 
 
-async def one(bootstrap: str, backoff_ms: int, n: int) -> tuple[float, float]:
-    """(wall s, CPU s) per transaction for ``n`` back-to-back transactions."""
+async def one(
+    bootstrap: str, backoff_ms: int, n: int, first: str = "offsets"
+) -> tuple[float, float]:
+    """(wall s, CPU s) per transaction for ``n`` back-to-back transactions, each sending
+    its offsets or its output (``first``) first."""
     async with transactions(bootstrap, backoff_ms, n) as (producer, topic, group, tp):
         cpu0, wall0 = time.process_time(), time.monotonic()
         for i in range(n):
             async with producer.transaction():
                 offsets = {tp: OffsetAndMetadata(i + 1, "")}
-                await producer.send_offsets_to_transaction(offsets, group)
-                await (await producer.send(topic, b"x" * 600, key=b"%d" % i))
+                if first == "offsets":
+                    await producer.send_offsets_to_transaction(offsets, group)
+                    await (await producer.send(topic, b"x" * 600, key=b"%d" % i))
+                else:
+                    fut = await producer.send(topic, b"x" * 600, key=b"%d" % i)
+                    await producer.send_offsets_to_transaction(offsets, group)
+                    await fut
         wall, cpu = time.monotonic() - wall0, time.process_time() - cpu0
     return wall / n, cpu / n
 
@@ -130,6 +142,12 @@ async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--transactions", type=int, default=200)
     ap.add_argument("--backoffs", default="100,20,10")
+    ap.add_argument(
+        "--first",
+        default="offsets",
+        help="what each back-to-back transaction sends first: offsets, outputs, or both "
+        "(each back-off measured both ways, alternating)",
+    )
     ap.add_argument("--ahead", action="store_true", help="measure opening ahead instead")
     args = ap.parse_args()
     bootstrap, _ = env_endpoints()
@@ -147,11 +165,16 @@ async def main() -> int:
             print(f"  {name:24s} {p50 * 1e3:7.2f} {p90 * 1e3:7.2f}   [{load()}]")
         return 0
     print(f"{args.transactions} back-to-back transactions (1 offset commit + 1 record each)")
-    print(f"{'retry_backoff_ms':>16} | {'wall ms/txn':>11} | {'CPU µs/txn':>10}")
+    firsts = ["offsets", "outputs"] if args.first == "both" else [args.first]
+    print(f"{'retry_backoff_ms':>16} | {'first':>7} | {'wall ms/txn':>11} | {'CPU µs/txn':>10}")
     try:
         for backoff in (int(b) for b in args.backoffs.split(",")):
-            wall, cpu = await one(bootstrap, backoff, args.transactions)
-            print(f"{backoff:>16} | {wall * 1e3:11.1f} | {cpu * 1e6:10.0f}   [{load()}]")
+            for first in firsts:
+                wall, cpu = await one(bootstrap, backoff, args.transactions, first)
+                print(
+                    f"{backoff:>16} | {first:>7} | {wall * 1e3:11.1f} | {cpu * 1e6:10.0f}"
+                    f"   [{load()}]"
+                )
     except RuntimeError as exc:
         print(exc)
         return 1
