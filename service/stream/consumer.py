@@ -80,6 +80,11 @@ __all__ = ["StreamService", "StreamSettings", "transactional_id_for"]
 # A lane worker with nothing to do for this long ends (a burst leaves no idle tasks).
 _WORKER_IDLE_S = 5.0
 _WORKER_YIELD_EVERY = 64
+# How long after a transaction ended the broker may still be writing its markers: a
+# transaction begun within this sends its offsets first (see _send). Back to back
+# (bench/bench_txn.py --first both, 10 ms back-off), transactions took 23-32 ms each with
+# offsets first and 33-34 ms with outputs first.
+_MARKERS_WINDOW_S = 0.02
 
 log = structlog.get_logger(__name__)
 
@@ -224,6 +229,8 @@ class _Partition:
         # when it is aborted if nothing has been decided by then.
         self.ahead: int | None = None
         self.ahead_until = 0.0
+        # When its producer's last transaction ended (committed or aborted): see _send.
+        self.txn_ended = float("-inf")
 
 
 class _TokenBucket:
@@ -667,6 +674,7 @@ class StreamService:
         part.ahead = None
         self._metrics.opened_ahead.labels("aborted").inc()
         await self._outside_commit(part, part.producer.abort_transaction())
+        part.txn_ended = self._clock()
 
     async def _outside_commit(self, part: _Partition, request: Awaitable[None]) -> None:
         """A transaction request made outside a commit, bounded and failing like one."""
@@ -734,17 +742,31 @@ class StreamService:
         offsets = {tp: OffsetAndMetadata(plan.offset, plan.metadata)}
         if part.producer is not None:
             producer = part.producer
-            sent, part.ahead = part.ahead, None
-            if sent is None:
+            ahead, part.ahead = part.ahead, None
+            # The offset this transaction has sent so far (the broker keeps the last).
+            offered = None if ahead is None else (ahead, "")
+            if ahead is None:
                 await producer.begin_transaction()
             try:
-                # Outputs first, offsets second: aiokafka's sender then adds the output
-                # partitions to the transaction and, while the records are produced, the
-                # group; one round trip fewer than offsets first (4 sequential requests
-                # instead of 5: a quiet partition's output is committed that much sooner).
+                if ahead is None and self._clock() - part.txn_ended < _MARKERS_WINDOW_S:
+                    # Right after the previous transaction ended, the broker answers the
+                    # next one's first request CONCURRENT_TRANSACTIONS until it has
+                    # written that one's markers (a few ms). aiokafka retries a first
+                    # request that adds an output partition after a fixed 20 ms, one that
+                    # adds the group (offsets first) after txn_retry_backoff_ms. So a
+                    # transaction that follows closely sends its offsets first: one round
+                    # trip more, a shorter wait (e.g. a no-host-found event decided while
+                    # its partition committed a placement).
+                    await producer.send_offsets_to_transaction(offsets, self._s.group_id)
+                    offered = (plan.offset, plan.metadata)
+                # Otherwise outputs first, offsets second: aiokafka's sender then adds the
+                # output partitions to the transaction and, while the records are
+                # produced, the group; one round trip fewer than offsets first (4
+                # sequential requests instead of 5: a quiet partition's output is
+                # committed that much sooner).
                 pending = await self._enqueue(producer, plan)
                 try:
-                    if sent is None or (plan.offset, plan.metadata) != (sent, ""):
+                    if offered != (plan.offset, plan.metadata):
                         await producer.send_offsets_to_transaction(offsets, self._s.group_id)
                 except BaseException:
                     pending.abandon()
@@ -752,9 +774,11 @@ class StreamService:
                 await pending.settle()
             except BaseException:
                 await _abort_quietly(producer)
+                part.txn_ended = self._clock()
                 raise
             await producer.commit_transaction()
-            if sent is not None:
+            part.txn_ended = self._clock()
+            if ahead is not None:
                 self._metrics.opened_ahead.labels("committed").inc()
         else:
             await (await self._enqueue(self._shared_producer, plan)).settle()

@@ -18,6 +18,7 @@ import pytest
 import pytest_asyncio
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
+from service.stream import consumer as consumer_module
 from service.stream.codec import InputRef
 from service.stream.consumer import StreamService, StreamSettings, transactional_id_for
 from service.stream.metrics import StreamMetrics
@@ -316,6 +317,40 @@ async def test_a_commit_hands_over_its_outputs_before_its_offsets(broker: FakeBr
     begin, first_offsets = calls.index("begin"), calls.index("offsets")
     assert first_offsets > begin + 1
     assert set(calls[begin + 1 : first_offsets]) == {"send"}
+
+
+def transactions(calls: list[str]) -> list[list[str]]:
+    """A producer's calls, one list per transaction (each starts with "begin")."""
+    out: list[list[str]] = []
+    for call in calls:
+        if call == "begin":
+            out.append([])
+        if out:
+            out[-1].append(call)
+    return out
+
+
+@pytest.mark.parametrize("window_s", [10.0, 0.0])
+async def test_a_transaction_right_after_another_sends_its_offsets_first(
+    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch, window_s: float
+) -> None:
+    # The broker answers CONCURRENT_TRANSACTIONS until the previous transaction's markers
+    # are written; aiokafka retries a first request that adds an output partition after
+    # 20 ms, one that adds the group after the short back-off. Window 10 s: every
+    # transaction but the first follows "closely"; window 0: none does.
+    monkeypatch.setattr(consumer_module, "_MARKERS_WINDOW_S", window_s)
+    h = Harness(broker, txn_open_ahead_ms=0, fetch_linger_ms=0)
+    broker.append(IN, 0, b"a", b"a0")
+    await h.start(TP0)
+    await until(lambda: outputs(broker) == [b"a0"])
+    broker.append(IN, 0, b"b", b"b0")
+    await until(lambda: outputs(broker) == [b"a0", b"b0"])
+    txns = transactions(h.service._parts[TP0].producer.calls)
+    await h.stop()
+    assert txns[0] == ["begin", "send", "offsets", "commit"]
+    second = ["begin", "offsets", "send", "commit"] if window_s else txns[0]
+    assert txns[1] == second
+    assert broker.committed[("g", TP0)].offset == 2
 
 
 async def test_transactional_producers_get_the_short_retry_backoff(broker: FakeBroker) -> None:
