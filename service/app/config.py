@@ -197,7 +197,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
             "Retry back-off of the transactional producers; also how long a transaction "
             "begun right after another waits for the broker to finish that one",
         ),
-    ] = 10
+    ] = 2
     txn_open_ahead_ms: Annotated[
         NonNegativeInt,
         _env(

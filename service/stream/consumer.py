@@ -83,7 +83,7 @@ _WORKER_YIELD_EVERY = 64
 # How long after a transaction ended the broker may still be writing its markers: a
 # transaction begun within this sends its offsets first (see _send). Back to back
 # (bench/bench_txn.py --first both, 10 ms back-off), transactions took 23-32 ms each with
-# offsets first and 33-34 ms with outputs first.
+# offsets first and 33-34 ms with outputs first (which waits a fixed 20 ms).
 _MARKERS_WINDOW_S = 0.02
 
 log = structlog.get_logger(__name__)
@@ -117,7 +117,7 @@ class StreamSettings:
     commit_max_records: int = 500
     # The transactional producers' retry back-off, also how long a transaction that
     # follows another waits for the broker to finish that one (see _acquire).
-    txn_retry_backoff_ms: int = 10
+    txn_retry_backoff_ms: int = 2
     retry_backoff_s: float = 0.5
     retry_backoff_max_s: float = 30.0
     # A revoke runs inside the group's rebalance: aiokafka does not heartbeat meanwhile,
@@ -864,9 +864,11 @@ class StreamService:
                     # retry_backoff_ms: a transaction begun right after the previous
                     # commit is answered CONCURRENT_TRANSACTIONS until the broker has
                     # written that one's markers (a few ms), and aiokafka then waits its
-                    # retry back-off (default 100 ms) before asking again: measured, every
-                    # back-to-back transaction took 100 ms of wall time (10 ms with 10).
-                    # The Java producer retries this case after 20 ms for the same reason.
+                    # retry back-off (default 100 ms) before asking again: measured
+                    # (bench/bench_txn.py), a back-to-back transaction took 99 ms of wall
+                    # time with 100, 18.4-18.7 ms with 10, 8.6-9.1 ms with 2. A broker
+                    # outage and its recovery cost the service the same CPU and log lines
+                    # with 2 as with 10 (aiokafka paces reconnects by other means).
                     producer = self._producer_factory(
                         **self._s.client_args,
                         transactional_id=transactional_id_for(self._s.prefix, tp),
