@@ -62,6 +62,10 @@ MERGE = "application/merge-patch+json"
 Record = tuple[bytes | None, bytes, list[tuple[str, bytes]], int | None]  # key, value, hdrs, part
 
 
+class WorkloadError(RuntimeError):
+    """The run did not do what the benchmark describes: its figures mean nothing."""
+
+
 # --------------------------------------------------------------------------- environment
 
 

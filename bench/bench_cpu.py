@@ -36,6 +36,7 @@ import msgspec
 from _common import (
     Cluster,
     OutputReader,
+    WorkloadError,
     cpu_seconds,
     create_topics,
     delete_topics,
@@ -57,10 +58,6 @@ from _common import (
 )
 
 GOAL = 1.5
-
-
-class WorkloadError(RuntimeError):
-    """The run did not do what the benchmark describes: its figures mean nothing."""
 
 
 async def one_run(

@@ -49,6 +49,7 @@ from _common import (
     OutputReader,
     Record,
     RequestStats,
+    WorkloadError,
     cores_between,
     cpu_by_role,
     create_topics,
@@ -73,10 +74,6 @@ from _common import (
 )
 
 GOAL_UP_TO = 200.0
-
-
-class WorkloadError(RuntimeError):
-    """The run did not do what the benchmark describes: its figures mean nothing."""
 
 
 @dataclass

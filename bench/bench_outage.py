@@ -31,6 +31,7 @@ from pathlib import Path
 from _common import (
     REPO_DIR,
     OutputReader,
+    WorkloadError,
     cpu_seconds,
     create_topics,
     delete_topics,
@@ -46,10 +47,6 @@ from _common import (
     wait_group_stable,
     wait_http_ok,
 )
-
-
-class WorkloadError(RuntimeError):
-    """The run did not do what the benchmark describes: its figures mean nothing."""
 
 
 def kafka_pid() -> int:

@@ -44,6 +44,7 @@ from _common import (
     SELECTOR,
     Cluster,
     OutputReader,
+    WorkloadError,
     apiserver_address,
     create_topics,
     delay_proxy_process,
@@ -69,10 +70,6 @@ from service.k8s import KubeClient
 
 WORKERS = 8
 GOAL = 0.8
-
-
-class WorkloadError(RuntimeError):
-    """The run did not do what the benchmark describes: its figures mean nothing."""
 
 
 async def allocations_in(cluster: Cluster, names: set[str]) -> int:
