@@ -577,6 +577,28 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_DIR = BENCH_DIR.parent
 
 
+# The dev stack's pid files (devstack/up writes them), for the benchmarks that freeze or
+# kill one of its servers.
+DEVSTACK_RUN_DIR = Path(os.environ.get("CRS_DEVSTACK_RUN_DIR", REPO_DIR / "devstack" / "run"))
+
+
+def devstack_pid(server: str) -> int:
+    """The pid of a dev stack server (``kafka``, ``kube-apiserver``, ``etcd``)."""
+    return int((DEVSTACK_RUN_DIR / f"{server}.pid").read_text())
+
+
+async def devstack_up() -> None:
+    """Run ``devstack/up`` (it starts whatever is down); RuntimeError if it fails."""
+    import subprocess
+
+    up = await asyncio.create_subprocess_exec(
+        str(REPO_DIR / "devstack" / "up"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    _, err = await up.communicate()
+    if up.returncode != 0:
+        raise RuntimeError(f"devstack/up could not restart the broker: {err.decode()[-500:]}")
+
+
 def free_port() -> int:
     import socket
 
@@ -639,11 +661,12 @@ ROLES = (
 )
 
 
-def cpu_by_role() -> dict[str, float]:
-    """CPU seconds so far of each role's processes (summed; this process is "bench")."""
+def cpu_by_role(skip: int | None = None) -> dict[str, float]:
+    """CPU seconds so far of each role's processes (summed; the calling script is "bench"
+    unless its pid is ``skip``)."""
     out: dict[str, float] = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) == skip:
             continue
         try:
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")

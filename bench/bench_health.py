@@ -25,24 +25,22 @@ import asyncio
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 
 import aiohttp
-from _common import create_topics, delete_topics, env_endpoints, load
-
-REPO = Path(__file__).resolve().parents[1]
-RUN_DIR = Path(os.environ.get("CRS_DEVSTACK_RUN_DIR", REPO / "devstack" / "run"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from _common import (
+    REPO_DIR,
+    create_topics,
+    delete_topics,
+    devstack_pid,
+    devstack_up,
+    env_endpoints,
+    free_port,
+    load,
+)
 
 
 async def readyz(port: int) -> tuple[int, str]:
@@ -68,7 +66,7 @@ async def until(port: int, status: int, timeout_s: float) -> tuple[float, str]:
 
 
 async def freeze(name: str, port: int) -> None:
-    pid = int((RUN_DIR / f"{name}.pid").read_text())
+    pid = devstack_pid(name)
     os.kill(pid, signal.SIGSTOP)
     try:
         took, detail = await until(port, 503, 120)
@@ -105,7 +103,7 @@ async def main() -> None:
     }
     with log_path.open("wb") as log:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "service", "run", cwd=REPO, env=env, stdout=log, stderr=log
+            sys.executable, "-m", "service", "run", cwd=REPO_DIR, env=env, stdout=log, stderr=log
         )
     try:
         await until(port, 200, 60)
@@ -146,16 +144,14 @@ async def main() -> None:
         await freeze("kafka", port)
 
         before = len(log_path.read_text().splitlines())
-        os.kill(int((RUN_DIR / "kafka.pid").read_text()), signal.SIGKILL)
+        os.kill(devstack_pid("kafka"), signal.SIGKILL)
         killed = time.monotonic()
         took, detail = await until(port, 503, 120)
         await asyncio.sleep(max(0.0, args.outage_s - (time.monotonic() - killed)))
-        up = await asyncio.create_subprocess_exec(
-            str(REPO / "devstack" / "up"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
-        _, err = await up.communicate()
-        if up.returncode != 0:
-            sys.exit(f"FAILED: devstack/up could not restart the broker: {err.decode()[-500:]}")
+        try:
+            await devstack_up()
+        except RuntimeError as exc:
+            sys.exit(f"FAILED: {exc}")
         outage = time.monotonic() - killed
         lines = log_path.read_text().splitlines()[before:]
         library = [x for x in lines if '"logger":"aiokafka' in x]

@@ -1,8 +1,9 @@
 """What a broker outage costs the service, per transactional retry back-off (issue 11).
 
 Run: ``.venv/bin/python bench/bench_outage.py [--backoffs 10,5,2] [--down-s 20]`` on the
-dev stack only: it SIGKILLs the dev stack's Kafka (``$CRS_DEVSTACK_RUN_DIR/kafka.pid``)
-and brings it back with ``devstack/up``. Nothing else may use the broker meanwhile.
+dev stack only: it SIGKILLs the dev stack's Kafka (``kafka.pid`` in
+``$CRS_DEVSTACK_RUN_DIR``, default ``devstack/run``) and brings it back with
+``devstack/up``. Nothing else may use the broker meanwhile.
 
 Measured, for each ``CRS_TXN_RETRY_BACKOFF_MS``: the service (its own process, 4 input
 partitions, so 4 transactional producers, idle and ready) has its broker killed; its CPU
@@ -29,12 +30,13 @@ import time
 from pathlib import Path
 
 from _common import (
-    REPO_DIR,
     OutputReader,
     WorkloadError,
     cpu_seconds,
     create_topics,
     delete_topics,
+    devstack_pid,
+    devstack_up,
     env_endpoints,
     free_port,
     load,
@@ -47,13 +49,6 @@ from _common import (
     wait_group_stable,
     wait_http_ok,
 )
-
-
-def kafka_pid() -> int:
-    run_dir = os.environ.get("CRS_DEVSTACK_RUN_DIR")
-    if not run_dir:
-        raise WorkloadError("CRS_DEVSTACK_RUN_DIR is not set: source devstack/run/env")
-    return int(Path(run_dir, "kafka.pid").read_text())
 
 
 def accepts(bootstrap: str) -> bool:
@@ -90,20 +85,17 @@ async def one(backoff_ms: int, down_s: float) -> str:
         await wait_http_ok(f"http://127.0.0.1:{port}/readyz", 120, proc)
         await wait_group_stable(bootstrap, cfg.group_id, 1, 60)
         await asyncio.sleep(3)  # every partition taken over, its producer started
-        os.kill(kafka_pid(), signal.SIGKILL)
+        os.kill(devstack_pid("kafka"), signal.SIGKILL)
         await asyncio.sleep(0.5)
         if accepts(bootstrap):
             raise WorkloadError("the broker still accepts connections after SIGKILL")
         n0, c0, t0 = lines(log), cpu_seconds(proc.pid), time.monotonic()
         await asyncio.sleep(down_s)
         n1, c1, t1 = lines(log), cpu_seconds(proc.pid), time.monotonic()
-        up = await asyncio.create_subprocess_exec(
-            str(REPO_DIR / "devstack" / "up"),
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL,
-        )
-        if await up.wait() != 0:
-            raise WorkloadError("devstack/up could not restart the broker")
+        try:
+            await devstack_up()
+        except RuntimeError as exc:
+            raise WorkloadError(str(exc)) from exc
         try:
             await wait_http_ok(f"http://127.0.0.1:{port}/readyz", 120, proc)
         except RuntimeError as exc:

@@ -14,6 +14,7 @@ and those in which the raw loop was busy.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -27,12 +28,13 @@ def main() -> int:
     args = ap.parse_args()
     sink = sys.stdout if args.out == "-" else open(args.out, "w")  # noqa: SIM115
     rows: list[dict[str, float]] = []
-    prev, t_prev = cpu_by_role(), time.monotonic()
+    me = os.getpid()  # the sampler itself is not part of what it measures
+    prev, t_prev = cpu_by_role(skip=me), time.monotonic()
     deadline = t_prev + args.seconds
     try:
         while time.monotonic() < deadline:
             time.sleep(1.0)
-            cur, now = cpu_by_role(), time.monotonic()
+            cur, now = cpu_by_role(skip=me), time.monotonic()
             row = {k: (v - prev.get(k, v)) / (now - t_prev) for k, v in cur.items()}
             rows.append(row)
             line = " ".join(f"{k}={v:.2f}" for k, v in sorted(row.items()))
