@@ -97,10 +97,13 @@ class Ledger(Generic[T]):
         self._low = start
         self._high: int | None = None  # highest offset done (restored or completed)
         self._restored_open: list[int] = []  # restored open offsets not yet received
+        # The highest offset the last commit recorded as done above its watermark (None:
+        # nothing above it). Whatever a later commit writes must still say so.
+        self._committed_high: int | None = None
         if start is not None:
             high, opens = decode_metadata(start, metadata)
             if high is not None:
-                self._high = high
+                self._high = self._committed_high = high
                 self._restored_open = [start, *opens]
         self._pending: dict[int, None] = {}  # received, not done (insertion = offset order)
         self._done: list[tuple[int, T]] = []  # done, not yet committed
@@ -186,8 +189,10 @@ class Ledger(Generic[T]):
     def plan(self) -> CommitPlan[T] | None:
         """What to commit now, or None when nothing changed since the last commit.
 
-        If the open offsets would not fit the metadata, only the outputs below the
-        watermark are committed; the rest waits until the stuck records finish.
+        If the open offsets would not fit the metadata, only the outputs up to the highest
+        offset already committed as done are committed (with the metadata that says so:
+        it fits, since no offset below it can open again and the watermark only rises);
+        the rest waits until the stuck records finish.
         """
         low = self.position
         if low is None:
@@ -196,8 +201,13 @@ class Ledger(Generic[T]):
         metadata = encode_metadata(low, high, self._open_below(high)) if high is not None else ""
         items = list(self._done)
         if len(metadata) > MAX_METADATA_CHARS:
-            items = [(o, p) for o, p in self._done if o < low]
-            metadata = ""
+            kept = self._committed_high
+            if kept is None or kept <= low:
+                items = [(o, p) for o, p in self._done if o < low]
+                metadata = ""
+            else:
+                items = [(o, p) for o, p in self._done if o <= kept]
+                metadata = encode_metadata(low, kept, self._open_below(kept))
             if not items:
                 return None
         if not items and self._last == (low, metadata):
@@ -209,3 +219,4 @@ class Ledger(Generic[T]):
         done = {o for o, _ in plan.items}
         self._done = [(o, p) for o, p in self._done if o not in done]
         self._last = (plan.offset, plan.metadata)
+        self._committed_high = decode_metadata(plan.offset, plan.metadata)[0]

@@ -3,16 +3,42 @@
 from __future__ import annotations
 
 import random
+from unittest import mock
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from service.stream import ledger as ledger_module
 from service.stream.ledger import (
     MAX_METADATA_CHARS,
     Ledger,
     decode_metadata,
     encode_metadata,
 )
+
+
+def test_an_overflowing_commit_keeps_what_earlier_commits_recorded_as_done() -> None:
+    """Open offsets that no longer fit the metadata must not erase done offsets an earlier
+    commit published above the watermark: a new owner would process them again."""
+    ledger: Ledger[int] = Ledger(start=0)
+    for o in range(10):
+        ledger.receive(o)
+    ledger.complete(3, 3)  # 0, 1, 2 and 4.. are stuck (waiting on the API)
+    first = ledger.plan()
+    assert first is not None
+    assert (first.offset, first.metadata) == (0, "crs1:3:1,2")
+    ledger.committed(first)
+    with mock.patch.object(ledger_module, "MAX_METADATA_CHARS", 12):
+        ledger.complete(9, 9)  # high 9, open 1, 2, 4..8: no longer fits
+        assert ledger.plan() is None  # nothing below the watermark to publish
+        ledger.complete(0, 0)
+        ledger.complete(1, 1)
+        plan = ledger.plan()  # watermark 2; 4..8 still open above it
+    assert plan is not None
+    assert [o for o, _ in plan.items] == [0, 1]  # 9 waits: it does not fit
+    assert plan.offset == 2
+    taken_over: Ledger[int] = Ledger(plan.offset, plan.metadata)
+    assert [o for o in range(2, 10) if taken_over.receive(o)] == [2, 4, 5, 6, 7, 8, 9]
 
 
 def test_in_order_completion_commits_the_next_offset_without_metadata() -> None:
@@ -144,18 +170,24 @@ def test_no_settled_position_while_restored_offsets_are_open() -> None:
     assert Ledger[str]().settled_position() is None  # nothing received yet
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=1000, deadline=None)
 @given(
     n=st.integers(min_value=1, max_value=60),
     seed=st.integers(min_value=0, max_value=2**32),
     crashes=st.integers(min_value=0, max_value=4),
+    limit=st.sampled_from([MAX_METADATA_CHARS, 12, 20]),
 )
 def test_any_completion_order_with_crashes_publishes_each_record_exactly_once(
-    n: int, seed: int, crashes: int
+    n: int, seed: int, crashes: int, limit: int
 ) -> None:
     """Owners take turns over one partition; each crashes at a random moment, losing what
-    it had not committed. Across all of them, every offset is published exactly once."""
-    rng = random.Random(seed)
+    it had not committed. Across all of them, every offset is published exactly once,
+    also when the open offsets often do not fit the metadata (a limit of 12 characters)."""
+    with mock.patch.object(ledger_module, "MAX_METADATA_CHARS", limit):
+        _owners_take_turns(n, random.Random(seed), crashes)
+
+
+def _owners_take_turns(n: int, rng: random.Random, crashes: int) -> None:
     published: list[int] = []
     committed_offset: int | None = None
     committed_meta = ""

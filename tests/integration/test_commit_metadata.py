@@ -1,0 +1,134 @@
+"""The done-above-the-watermark metadata on the real broker, when it no longer fits.
+
+Records stuck on the Kubernetes API hold the committed offset while the records behind
+them are committed and listed as done in the offset's metadata. When too many are stuck
+for the metadata (the broker's limit), commits fall back; the fallback must not erase
+what an earlier commit recorded as done, or the next owner publishes it a second time.
+The limit is lowered here so a dozen stuck records reach it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.structs import OffsetAndMetadata, TopicPartition
+
+from service.stream import ledger
+from service.stream.codec import InputRef
+from service.stream.consumer import StreamService, StreamSettings
+from service.stream.metrics import StreamMetrics
+from service.stream.processor import OutRecord
+from tests import e2e
+from tests.conftest import DevStack
+
+pytestmark = pytest.mark.integration
+
+
+class GatedProcessor:
+    """Records keyed ``s...`` wait for their gate (a PATCH that hangs); others pass."""
+
+    dlq_topic = "unused-dlq"
+
+    def __init__(self, out: str, gates: dict[bytes, asyncio.Event] | None) -> None:
+        self.out, self.gates = out, gates
+
+    async def process(
+        self, ref: InputRef, key: bytes | None, value: bytes | None, headers: Any, **_: Any
+    ) -> OutRecord:
+        if self.gates is not None and key is not None and key.startswith(b"s"):
+            await self.gates.setdefault(key, asyncio.Event()).wait()
+        return OutRecord(topic=self.out, key=key, value=value, headers=[])
+
+    def stub(self, *args: Any, **kwargs: Any) -> OutRecord:
+        raise AssertionError("no record here becomes a stub")
+
+
+async def committed(bootstrap: str, group: str, tp: TopicPartition) -> OffsetAndMetadata | None:
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group)
+    await consumer.start()
+    try:
+        found = await consumer._coordinator.fetch_committed_offsets([tp])
+        return found.get(tp)
+    finally:
+        await consumer.stop()
+
+
+async def until_committed(
+    bootstrap: str, group: str, tp: TopicPartition, offset: int
+) -> OffsetAndMetadata:
+    found = None
+    for _ in range(100):
+        found = await committed(bootstrap, group, tp)
+        if found is not None and found.offset == offset:
+            return found
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"committed {found}, expected offset {offset}")
+
+
+async def test_stuck_records_past_the_metadata_limit_publish_nothing_twice(
+    devstack: DevStack,
+    new_topic: Callable[..., Awaitable[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(ledger, "MAX_METADATA_CHARS", 12)
+    bootstrap = devstack.kafka_bootstrap
+    source, out = await new_topic("meta-in"), await new_topic("meta-out")
+    tp, group = TopicPartition(source, 0), f"g-meta-{uuid.uuid4().hex[:8]}"
+
+    def settings() -> StreamSettings:
+        return StreamSettings(
+            input_topic=source,
+            group_id=group,
+            client_args={"bootstrap_servers": bootstrap},
+            poll_timeout_ms=100,
+            stop_wait_s=1.0,
+        )
+
+    gates: dict[bytes, asyncio.Event] = {}
+    first = StreamService(settings(), GatedProcessor(out, gates), StreamMetrics())  # type: ignore[arg-type]
+    await first.start()
+    run = asyncio.create_task(first.run())
+    publisher = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await publisher.start()
+    keys = [b"s0", b"s1", b"q2", *(b"s%d" % i for i in range(3, 13)), b"q13"]
+    try:
+
+        async def publish(offsets: range) -> None:
+            for o in offsets:
+                await publisher.send_and_wait(source, b"v%02d" % o, key=keys[o], partition=0)
+
+        await publish(range(3))
+        # 2 done above the stuck 0 and 1: committed at 0, "done up to 2 but 1".
+        early = await until_committed(bootstrap, group, tp, 0)
+        assert early.metadata == "crs1:2:1"
+        await publish(range(3, 14))  # ten more stuck, 13 done: the metadata overflows
+        await asyncio.sleep(0.5)
+        gates.setdefault(b"s0", asyncio.Event()).set()
+        # The watermark moves to 1; 2 must still be recorded as done (it was published).
+        moved = await until_committed(bootstrap, group, tp, 1)
+    finally:
+        await publisher.stop()
+        first.request_stop()  # the rest stays stuck: released with what is committed
+        await asyncio.wait_for(run, 30)
+        await first.close()
+
+    second = StreamService(settings(), GatedProcessor(out, None), StreamMetrics())  # type: ignore[arg-type]
+    await second.start()
+    run = asyncio.create_task(second.run())
+    try:
+        outputs = await e2e.read_all(bootstrap, out, len(keys))
+    finally:
+        second.request_stop()
+        await asyncio.wait_for(run, 30)
+        await second.close()
+    published = Counter(r.value for r in outputs)
+    assert {v: n for v, n in published.items() if n > 1} == {}
+    assert moved.metadata == "crs1:1:"
+    assert sorted(published) == [b"v%02d" % o for o in range(len(keys))]
+    assert await committed(bootstrap, group, tp) == OffsetAndMetadata(len(keys), "")
