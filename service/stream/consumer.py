@@ -23,8 +23,9 @@ Design, in the order the failures of the first engine taught it (issue 11):
   (:mod:`service.stream.ledger`): an event completed behind a stuck one is committed at
   once and never processed twice.
 * **Backpressure.** A partition with ``max_in_flight`` records received but not committed
-  is paused at the consumer and resumed below half of it; fetching never stops for the
-  others.
+  is left out of the fetches until it has room; fetching never stops for the others. When
+  every partition is full, one record is still asked for every ``poll_keepalive_s``:
+  aiokafka makes a member that stops calling ``getmany()`` leave the group.
 * **Failures.** An event the cluster cannot take now (RetryLater) waits in its key's lane
   with capped exponential back-off; other keys go on. A failed commit never retries as if
   nothing happened: the partition is *re-acquired* (new producer, fence, read the
@@ -127,6 +128,10 @@ class StreamSettings:
     fence_recheck_s: float = 15.0
     commit_timeout_s: float = 30.0
     poll_timeout_ms: int = 500
+    # While every partition is full, how often the loop still asks aiokafka for one
+    # record: a member that has not called getmany() for max_poll_interval_ms (300 s by
+    # default) leaves the group (see run).
+    poll_keepalive_s: float = 60.0
     # Least time between two fetches that returned records (see run).
     fetch_linger_ms: int = 20
     # A quiet partition whose records are still undecided this long after they arrived
@@ -376,6 +381,7 @@ class StreamService:
         # records are taken in batches of a linger's worth.
         linger = self._s.fetch_linger_ms / 1000
         next_fetch = 0.0
+        polled = self._clock()
         while not self._stopping.is_set():
             self.last_loop = now = self._clock()
             if next_fetch > now:
@@ -385,12 +391,23 @@ class StreamService:
             # fetches them again on resume (measured: +40 % CPU per event in a backlog).
             # A partition left out keeps one fetched response buffered, no more.
             open_tps = [tp for tp, part in self._parts.items() if not part.backpressured]
+            max_records = self._s.max_batch
             if not open_tps and self._parts:
-                self._capacity.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._capacity.wait(), self._s.poll_timeout_ms / 1000)
-                self._update_lag()
-                continue
+                if now - polled < self._s.poll_keepalive_s:
+                    self._capacity.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(
+                            self._capacity.wait(), self._s.poll_timeout_ms / 1000
+                        )
+                    self._update_lag()
+                    continue
+                # Every partition has been full for poll_keepalive_s (records stuck on
+                # the Kubernetes API). aiokafka counts the time since the last getmany()
+                # and, past max_poll_interval_ms, makes the member leave the group: every
+                # partition revoked and its records in flight processed again, by the
+                # whole group at once in an API outage. So ask for one record now and
+                # then: a partition exceeds max_in_flight by at most one per keep-alive.
+                open_tps, max_records = list(self._parts)[:1], 1
             try:
                 # With no partition at all, getmany() is still called (asking for every
                 # assigned one: none, or those being taken over, which are paused). It is
@@ -399,8 +416,9 @@ class StreamService:
                 # broker restart, one SyncGroup answered GroupLoadInProgress left a member
                 # that had no partition yet without any, for good.
                 batch: dict[TopicPartition, list[ConsumerRecord]] = await consumer.getmany(
-                    *open_tps, timeout_ms=self._s.poll_timeout_ms, max_records=self._s.max_batch
+                    *open_tps, timeout_ms=self._s.poll_timeout_ms, max_records=max_records
                 )
+                polled = self._clock()
             except KafkaError as exc:
                 # The fetch itself failed (e.g. the group or input ACL was revoked): the
                 # loop keeps turning (liveness) and says why, instead of ending the process.

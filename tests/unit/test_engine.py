@@ -387,6 +387,28 @@ async def test_backpressure_stops_asking_for_the_partition_without_pausing_it(
     await h.stop()
 
 
+async def test_a_partition_full_for_long_is_still_asked_for_one_record_now_and_then(
+    broker: FakeBroker,
+) -> None:
+    # aiokafka makes a member leave the group when getmany() was not called for
+    # max_poll_interval_ms; a full partition must not stop the calls for that long.
+    h = Harness(broker, max_in_flight=4, max_batch=2, poll_keepalive_s=0.05)
+    gate = asyncio.Event()
+    for i in range(40):
+        h.processor.gates[b"v%d" % i] = gate
+        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    await h.start(TP0)
+    await until(lambda: h.service._parts[TP0].backpressured)
+    calls, started = len(h.consumer.asked), time.monotonic()
+    await asyncio.sleep(0.3)
+    in_flight, elapsed = h.service._parts[TP0].ledger.in_flight, time.monotonic() - started
+    assert len(h.consumer.asked) - calls >= 3  # kept asking while full
+    assert in_flight <= 4 + 1 + elapsed / 0.05  # one record per keep-alive at most
+    gate.set()
+    await until(lambda: len(outputs(broker)) == 40)
+    await h.stop()
+
+
 async def test_key_concurrency_is_bounded(broker: FakeBroker) -> None:
     h = Harness(broker, key_concurrency=3)
     gate = asyncio.Event()

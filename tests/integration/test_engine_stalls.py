@@ -1,10 +1,13 @@
-"""The done-above-the-watermark metadata on the real broker, when it no longer fits.
+"""The engine on the real broker while records are stuck (a Kubernetes API that hangs).
 
-Records stuck on the Kubernetes API hold the committed offset while the records behind
-them are committed and listed as done in the offset's metadata. When too many are stuck
-for the metadata (the broker's limit), commits fall back; the fallback must not erase
-what an earlier commit recorded as done, or the next owner publishes it a second time.
-The limit is lowered here so a dozen stuck records reach it.
+* Stuck records hold the committed offset while the records behind them are committed
+  and listed as done in the offset's metadata. When too many are stuck for the metadata
+  (the broker's limit), commits fall back; the fallback must not erase what an earlier
+  commit recorded as done, or the next owner publishes it a second time. The limit is
+  lowered here so a dozen stuck records reach it.
+* When every partition is full of stuck records the loop fetches nothing, yet aiokafka
+  makes a member that has not called getmany() for max_poll_interval_ms leave the group.
+  The interval is lowered here to a few seconds.
 """
 
 from __future__ import annotations
@@ -132,3 +135,55 @@ async def test_stuck_records_past_the_metadata_limit_publish_nothing_twice(
     assert moved.metadata == "crs1:1:"
     assert sorted(published) == [b"v%02d" % o for o in range(len(keys))]
     assert await committed(bootstrap, group, tp) == OffsetAndMetadata(len(keys), "")
+
+
+async def test_a_member_whose_partitions_are_all_full_stays_in_the_group(
+    devstack: DevStack, new_topic: Callable[..., Awaitable[str]]
+) -> None:
+    bootstrap = devstack.kafka_bootstrap
+    source, out = await new_topic("full-in"), await new_topic("full-out")
+    group = f"g-full-{uuid.uuid4().hex[:8]}"
+    settings = StreamSettings(
+        input_topic=source,
+        group_id=group,
+        client_args={"bootstrap_servers": bootstrap},
+        consumer_args={"max_poll_interval_ms": 3000},
+        poll_timeout_ms=100,
+        max_in_flight=3,
+        poll_keepalive_s=1.0,
+    )
+    gates: dict[bytes, asyncio.Event] = {}
+    service = StreamService(settings, GatedProcessor(out, gates), StreamMetrics())  # type: ignore[arg-type]
+    revoked: list[list[TopicPartition]] = []
+    on_revoked = service._on_revoked
+
+    async def counting(tps: list[TopicPartition]) -> None:
+        if tps:
+            revoked.append(tps)
+        await on_revoked(tps)
+
+    service._on_revoked = counting  # type: ignore[method-assign]
+    await service.start()
+    run = asyncio.create_task(service.run())
+    publisher = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await publisher.start()
+    sent = [b"v%02d" % i for i in range(6)]
+    try:
+        for i, value in enumerate(sent):
+            await publisher.send_and_wait(source, value, key=b"s%d" % i, partition=0)
+        await asyncio.sleep(8)  # full and stuck for over twice max_poll_interval_ms
+        in_flight = service._parts[TopicPartition(source, 0)].ledger.in_flight
+        for gate in list(gates.values()):
+            gate.set()
+        await asyncio.sleep(0.3)
+        for i in range(len(sent)):  # those taken by the keep-alives or after
+            gates.setdefault(b"s%d" % i, asyncio.Event()).set()
+        outputs = await e2e.read_all(bootstrap, out, len(sent))
+    finally:
+        await publisher.stop()
+        service.request_stop()
+        await asyncio.wait_for(run, 30)
+        await service.close()
+    assert revoked == []  # still a member: nothing revoked, nothing processed twice
+    assert 3 <= in_flight <= 6  # full; the keep-alives took a record each at most
+    assert sorted(r.value for r in outputs) == sent
