@@ -929,6 +929,12 @@ class StreamService:
             if producer is not None:
                 await _close_quietly(producer)
             return
+        old = self._parts.get(tp)
+        if old is not None:
+            # Taken over twice at once (should not happen: revokes cancel re-acquisitions).
+            # This InitProducerId fenced the other's producer: keep this one.
+            log.warning("partition_acquired_twice", topic=tp.topic, partition=tp.partition)
+            await self._drop(old)
         consumer.seek(tp, start if start is not None else 0)
         part = _Partition(tp, producer, Ledger(start, metadata))
         part.committer = asyncio.create_task(self._commit_loop(part))
@@ -984,11 +990,19 @@ class StreamService:
             tasks.append(part.committer)
         for task in tasks:
             task.cancel()
+        # The tasks end with CancelledError, which is swallowed; unless this task itself
+        # was cancelled meanwhile (a revoke cancelling a re-acquisition): it must then
+        # end too, not go on to take the partition over, but only once the producer is
+        # closed (shielded, so it is not left half-stopped with its connections open).
+        current = asyncio.current_task()
+        cancels = current.cancelling() if current is not None else 0
         for task in tasks:
-            with contextlib.suppress(BaseException):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
                 await task
         if part.producer is not None:
-            await _close_quietly(part.producer)
+            await asyncio.shield(_close_quietly(part.producer))
+        if current is not None and current.cancelling() > cancels:
+            raise asyncio.CancelledError
 
     def _fenced(self, part: _Partition) -> None:
         """Another member owns the partition: drop its work; re-check ownership later."""

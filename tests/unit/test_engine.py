@@ -409,6 +409,65 @@ async def test_a_partition_full_for_long_is_still_asked_for_one_record_now_and_t
     await h.stop()
 
 
+async def test_a_cancelled_re_acquisition_stops_and_still_closes_the_producer(
+    broker: FakeBroker,
+) -> None:
+    # A revoke cancels the task re-acquiring a partition while that task waits for the
+    # old workers to end. Swallowing the cancellation there let it go on and take the
+    # partition over a second time (fencing the live take-over).
+    h = Harness(broker)
+    await h.start(TP0)
+    await until(lambda: TP0 in h.service._parts)
+    part = h.service._parts[TP0]
+    release = asyncio.Event()
+
+    async def worker() -> None:  # ends a moment after it is cancelled, as a PATCH does
+        try:
+            await asyncio.sleep(10)
+        finally:
+            await release.wait()
+
+    part.tasks.add(asyncio.create_task(worker()))
+    went_on: list[str] = []
+
+    async def reacquire() -> None:
+        await h.service._drop(part)
+        went_on.append("acquire")
+
+    task = asyncio.create_task(reacquire())
+    await asyncio.sleep(0.01)  # waiting for the worker
+    task.cancel()
+    await asyncio.sleep(0.01)
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert went_on == []
+    assert part.producer.stopped
+    await h.stop()
+
+
+async def test_a_partition_taken_over_twice_keeps_only_the_newer_producer(
+    broker: FakeBroker,
+) -> None:
+    # The second InitProducerId fenced the first producer: the first part must go, not
+    # stay beside the new one with its committer and producer.
+    h = Harness(broker)
+    for i in range(5):
+        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    await h.start(TP0)
+    await until(lambda: len(outputs(broker)) == 5)
+    first = h.service._parts[TP0]
+    await h.service._acquire(TP0)
+    second = h.service._parts[TP0]
+    assert second is not first
+    assert first.closed and first.producer.stopped
+    for i in range(5, 10):
+        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    await until(lambda: len(outputs(broker)) == 10)
+    assert sorted(outputs(broker)) == sorted(b"v%d" % i for i in range(10))
+    await h.stop()
+
+
 async def test_key_concurrency_is_bounded(broker: FakeBroker) -> None:
     h = Harness(broker, key_concurrency=3)
     gate = asyncio.Event()
