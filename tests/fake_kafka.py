@@ -39,6 +39,7 @@ class FakeBroker:
         self.max_value_bytes = 1 << 20  # of a whole record: key, value, headers
         self.fail_commits = 0  # the next N commits fail with a connection error
         self.fail_fetches: list[BaseException] = []  # raised by the next fetches, in order
+        self.init_delay_s = 0.0  # how long InitProducerId takes (a coordinator loading)
         self.commits = 0
         self.data = asyncio.Event()
 
@@ -64,6 +65,7 @@ class FakeProducer:
 
     async def start(self) -> None:
         if self.txn_id is not None:
+            await asyncio.sleep(self.broker.init_delay_s)
             self.epoch = self.broker.epochs.get(self.txn_id, -1) + 1
             self.broker.epochs[self.txn_id] = self.epoch
 

@@ -83,6 +83,8 @@ def stream_settings(c: Config) -> StreamSettings:
         retry_backoff_s=c.retry_backoff_s,
         retry_backoff_max_s=c.retry_backoff_max_s,
         revoke_wait_s=c.revoke_wait_s,
+        # No heartbeat during the assignment callback either: stay well inside a session.
+        assign_wait_s=c.session_timeout_ms / 3000,
         stop_wait_s=c.shutdown_timeout_s / 3,
         fence_recheck_s=c.fence_recheck_s,
         commit_timeout_s=c.commit_timeout_s,

@@ -44,7 +44,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +124,9 @@ class StreamSettings:
     # A revoke runs inside the group's rebalance: aiokafka does not heartbeat meanwhile,
     # so it must stay well below the session timeout or this member is evicted too.
     revoke_wait_s: float = 2.0
+    # How long an assignment waits for its take-overs before it hands them to the
+    # background (aiokafka does not heartbeat during the callback either).
+    assign_wait_s: float = 3.0
     stop_wait_s: float = 10.0  # on SIGTERM the member leaves anyway: finish more
     fence_recheck_s: float = 15.0
     commit_timeout_s: float = 30.0
@@ -847,9 +850,18 @@ class StreamService:
         self._metrics.assigned.set(len(self._assigned))
         log.info("partitions_assigned", partitions=sorted(tp.partition for tp in assigned))
         new = [tp for tp in assigned if tp not in self._parts and tp not in self._acquiring]
-        # Taken over inside the callback, so aiokafka hands out no record of them before
-        # the fence is up and the position is the freshly read committed offset.
-        await asyncio.gather(*(self._acquire(tp) for tp in new))
+        # Paused here, so aiokafka hands out no record of them before the fence is up and
+        # the position is the freshly read committed offset (_acquire resumes). The
+        # take-overs start inside the callback, but aiokafka does not heartbeat while it
+        # runs: one slower than assign_wait_s (a transaction coordinator still loading
+        # after a broker restart) goes on in the background rather than have this member
+        # evicted for missing its session timeout. A revoke cancels it.
+        if new:
+            self._consumer.pause(*new)
+            tasks = [self._in_background(tp, self._acquire(tp), "acquire") for tp in new]
+            _, pending = await asyncio.wait(tasks, timeout=self._s.assign_wait_s)
+            if pending:
+                log.info("partition_acquire_continues", partitions=len(pending))
 
     async def _on_revoked(self, revoked: list[TopicPartition]) -> None:
         # Not ours any more first: a failure while committing below must not re-acquire.
@@ -1027,7 +1039,13 @@ class StreamService:
             if tp in self._assigned and not self._stopping.is_set():
                 await self._acquire(tp)
 
-        task = asyncio.create_task(again(), name=f"reacquire-{tp.partition}-{reason}")
+        self._in_background(tp, again(), f"reacquire-{reason}")
+
+    def _in_background(
+        self, tp: TopicPartition, acquiring: Coroutine[Any, Any, None], name: str
+    ) -> asyncio.Task[None]:
+        """Run a take-over of ``tp`` as a task a revoke of ``tp`` cancels."""
+        task = asyncio.create_task(acquiring, name=f"{name}-{tp.partition}")
         self._acquiring[tp] = task
         self._background.add(task)
 
@@ -1035,8 +1053,16 @@ class StreamService:
             self._background.discard(t)
             if self._acquiring.get(tp) is t:
                 del self._acquiring[tp]
+            if not t.cancelled() and (exc := t.exception()) is not None:
+                log.error(
+                    "partition_acquire_crashed",
+                    topic=tp.topic,
+                    partition=tp.partition,
+                    error=repr(exc)[:300],
+                )
 
         task.add_done_callback(done)
+        return task
 
     def _mark_stalled(self, tp: TopicPartition, why: str) -> None:
         self._stalled[tp] = why

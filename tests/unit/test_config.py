@@ -375,3 +375,14 @@ def test_the_engines_own_defaults_are_the_ones_the_service_ships() -> None:
         "poll_timeout_ms",
     )
     assert {k: getattr(engine, k) for k in knobs} == {k: getattr(shipped, k) for k in knobs}
+
+
+def test_the_rebalance_callbacks_stay_well_inside_the_session_timeout() -> None:
+    # aiokafka sends no heartbeat while a revoke or an assignment callback runs.
+    from service.app.runtime import stream_settings
+
+    for session_ms in ("10000", "45000"):
+        c = Config.load(env={"CRS_SESSION_TIMEOUT_MS": session_ms})
+        s = stream_settings(c)
+        assert s.assign_wait_s * 1000 <= c.session_timeout_ms / 3
+        assert s.revoke_wait_s * 1000 <= c.session_timeout_ms / 2

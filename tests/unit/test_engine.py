@@ -77,6 +77,7 @@ class Harness:
         self.broker = broker
         self.metrics = StreamMetrics()
         self.processor = FakeProcessor(self.metrics)
+        self.producers: list[FakeProducer] = []
         base: dict[str, Any] = {
             "input_topic": IN,
             "group_id": "g",
@@ -92,9 +93,14 @@ class Harness:
             self.processor,  # type: ignore[arg-type]
             self.metrics,
             consumer_factory=lambda **kw: FakeConsumer(broker, **kw),
-            producer_factory=lambda **kw: FakeProducer(broker, **kw),
+            producer_factory=self._producer,
         )
         self.task: asyncio.Task[None] | None = None
+
+    def _producer(self, **kwargs: Any) -> FakeProducer:
+        producer = FakeProducer(self.broker, **kwargs)
+        self.producers.append(producer)
+        return producer
 
     @property
     def consumer(self) -> FakeConsumer:
@@ -460,11 +466,37 @@ async def test_a_partition_taken_over_twice_keeps_only_the_newer_producer(
     await h.service._acquire(TP0)
     second = h.service._parts[TP0]
     assert second is not first
-    assert first.closed and first.producer.stopped
+    assert first.closed
+    assert first.producer.stopped
     for i in range(5, 10):
         broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
     await until(lambda: len(outputs(broker)) == 10)
     assert sorted(outputs(broker)) == sorted(b"v%d" % i for i in range(10))
+    await h.stop()
+
+
+async def test_a_slow_take_over_goes_on_after_the_assignment_callback_returns(
+    broker: FakeBroker,
+) -> None:
+    # aiokafka does not heartbeat while on_partitions_assigned runs: a take-over slower
+    # than the session timeout (a transaction coordinator still loading) must not hold it.
+    h = Harness(broker, assign_wait_s=0.05)
+    broker.init_delay_s = 0.5
+    for i in range(5):
+        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    started = time.monotonic()
+    await h.start(TP0)
+    assert time.monotonic() - started < 0.4
+    assert TP0 in h.consumer.paused()  # nothing handed out before the fence is up
+    await until(lambda: len(outputs(broker)) == 5)
+    assert sorted(outputs(broker)) == [b"v%d" % i for i in range(5)]
+    # Revoked while a take-over is still under way: it is called off, its producer closed.
+    broker.append(IN, 1, b"k", b"w")
+    await h.consumer.assign([TP0, TP1])
+    await h.consumer.assign([TP0])
+    await asyncio.sleep(0.6)
+    assert TP1 not in h.service._parts
+    assert all(p.stopped for p in h.producers if p.txn_id and p.txn_id.endswith("-1"))
     await h.stop()
 
 
