@@ -474,7 +474,9 @@ class StreamService:
 
     def _key_of(self, record: ConsumerRecord) -> bytes:
         if record.key:
-            return bytes(record.key)
+            # In lower case like the UUID below: a VM's events keyed by a producer that
+            # writes the UUID in upper case and unkeyed ones from another share a lane.
+            return bytes(record.key).lower()
         # No key: the instance UUID, so one VM's events stay in order. Anything that does
         # not decode shares one lane (it becomes a dead letter quickly).
         try:

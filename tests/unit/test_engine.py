@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,11 +20,12 @@ import pytest_asyncio
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from service.stream import consumer as consumer_module
-from service.stream.codec import InputRef
+from service.stream.codec import InputRef, encode_input
 from service.stream.consumer import StreamService, StreamSettings, transactional_id_for
 from service.stream.metrics import StreamMetrics
 from service.stream.partitioner import partition_for_key
 from service.stream.processor import OutRecord, Processor, RetryLater
+from tests import e2e
 from tests.fake_kafka import FakeBroker, FakeConsumer, FakeProducer
 
 IN = "in"
@@ -497,6 +499,30 @@ async def test_a_slow_take_over_goes_on_after_the_assignment_callback_returns(
     await asyncio.sleep(0.6)
     assert TP1 not in h.service._parts
     assert all(p.stopped for p in h.producers if p.txn_id and p.txn_id.endswith("-1"))
+    await h.stop()
+
+
+async def test_a_record_without_a_key_takes_the_lane_of_its_instance_uuid(
+    broker: FakeBroker,
+) -> None:
+    # One VM's events stay in order whether or not (and in whichever case) the producer
+    # keyed them: the lane of a keyless record is its event's instance UUID.
+    h = Harness(broker)
+    vm, other = str(uuid.uuid4()), str(uuid.uuid4())
+    values = []
+    for instance in (vm, vm, other):
+        _, decision, request = e2e.outcome("hv-1", ["hv-1"], vm=instance)
+        values.append(encode_input(decision, request)[0])
+    gate = h.processor.gates[values[0]] = asyncio.Event()
+    broker.append(IN, 0, vm.upper().encode(), values[0])  # keyed, upper case
+    broker.append(IN, 0, None, values[1])  # the same VM, no key
+    broker.append(IN, 0, None, values[2])  # another VM, no key
+    await h.start(TP0)
+    await until(lambda: outputs(broker) == [values[2]])
+    assert (0, 1) not in h.processor.calls  # waits behind its VM's first event
+    gate.set()
+    await until(lambda: len(outputs(broker)) == 3)
+    assert outputs(broker) == [values[2], values[0], values[1]]
     await h.stop()
 
 
