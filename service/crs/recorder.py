@@ -138,6 +138,9 @@ class Recorder:
         self._flavor_groups = _FlavorGroupsMemo()
         self._serialize = serialize_per_host
         # Weak values: a host's lock lives only while a placement holds or awaits it.
+        # Hosts onto which a write ended without an answer (timed out, cancelled): it
+        # may have landed, and a watch-cache snapshot may not show it yet.
+        self._unsettled_hosts: set[str] = set()
         self._host_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = (
             weakref.WeakValueDictionary()
         )
@@ -292,6 +295,14 @@ class Recorder:
         Returns (status, reservation name, number of conflicts met).
         """
         current = list(slots)
+        if target in self._unsettled_hosts:
+            # The last write onto this host may have landed unseen. Deciding on a snapshot
+            # that misses it could put this very VM (the event retried) into a sibling
+            # slot: the guard only covers the slot written. So decide on fresh reads.
+            current = await self._refresh(
+                current, None, target=target, project_id=project_id, flavor_group=flavor_group
+            )
+            self._unsettled_hosts.discard(target)
         conflicts = 0
         deadline = self._monotonic() + self._conflict_timeout_s
         while True:
@@ -328,23 +339,27 @@ class Recorder:
                     current, name, target=target, project_id=project_id, flavor_group=flavor_group
                 )
                 continue
+            except BaseException:
+                self._unsettled_hosts.add(target)  # no answer: it may have landed
+                raise
             log.info("allocation_written", reservation=name, conflicts=conflicts)
             return AllocationStatus.WRITTEN, name, conflicts
 
     async def _refresh(
         self,
         current: Sequence[Reservation],
-        name: str,
+        name: str | None,
         *,
         target: str,
         project_id: str,
         flavor_group: str,
     ) -> list[Reservation]:
-        """Fresh slots to re-decide on after a failed write to ``name``.
+        """Fresh slots to re-decide on after a failed write to ``name`` (None: a write
+        whose outcome is unknown).
 
-        The cheap path re-reads just that Reservation; if it vanished, stopped matching,
-        or has nothing left, the host's whole slot list is re-read (someone else may have
-        written this VM elsewhere, or a new slot may have appeared).
+        The cheap path re-reads the candidates; if ``name`` (None: any of them) vanished,
+        stopped matching, or has nothing left, the host's whole slot list is re-read
+        (someone else may have written this VM elsewhere, or a new slot may have appeared).
         """
 
         def matches(r: Reservation) -> bool:
@@ -360,7 +375,10 @@ class Recorder:
         # have put this very VM into a sibling slot, and the idempotency check must see it.
         fresh = await asyncio.gather(*(self._state.get_reservation(r.name) for r in current))
         kept = [r for r in fresh if r is not None and matches(r)]
-        if any(r.name == name and reservation_remaining_memory(r) > 0 for r in kept):
+        if name is None:
+            if len(kept) == len(current) and any(reservation_remaining_memory(r) > 0 for r in kept):
+                return kept
+        elif any(r.name == name and reservation_remaining_memory(r) > 0 for r in kept):
             return kept
         on_host = await self._state.reservations_on_host(target)
         return [r for r in on_host if matches(r)]

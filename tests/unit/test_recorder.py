@@ -10,7 +10,7 @@ Recorder retried.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -571,6 +571,69 @@ async def test_a_slot_that_keeps_changing_ends_failed_with_nothing_written(env: 
     assert env.state.patch_results["200"] == 0
     assert env.allocations("slot-a") == {}
     assert env.placement("slot_used") == 1
+
+
+class LaggingCache(InMemoryClusterState):
+    """Snapshots from a watch cache that has not seen some writes yet: the ``frozen``
+    Reservations are served as they were, fresh reads (GET, the host's list) see the
+    truth. ``land_then_time_out``: the next PATCH is applied but its caller times out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen: dict[str, Reservation] = {}
+        self.land_then_time_out = False
+
+    async def snapshot(self, hosts: Collection[str], project_id: str) -> Snapshot:
+        real = self._cr_reservations
+        self._cr_reservations = lambda: [self.frozen.get(r.name, r) for r in real()]  # type: ignore[method-assign]
+        try:
+            return await super().snapshot(hosts, project_id)
+        finally:
+            del self._cr_reservations
+
+    async def patch_allocation(
+        self, reservation: Reservation, instance_uuid: str, allocation: dict[str, object]
+    ) -> Reservation:
+        written = await super().patch_allocation(reservation, instance_uuid, allocation)
+        if self.land_then_time_out:
+            self.land_then_time_out = False
+            raise UnavailableError("timed out", status=None)
+        return written
+
+
+async def test_a_write_that_timed_out_is_found_by_the_retry_despite_a_lagging_cache() -> None:
+    # The PATCH into slot-b landed but answered too late; the retry's snapshot has not
+    # seen it, and another VM made slot-a as good a fit meanwhile. Deciding on that
+    # snapshot would write the VM into slot-a as well: after a write whose fate is
+    # unknown, the host's slots are read fresh before the next decision on it.
+    env = Env()
+    env.state = state = LaggingCache()
+    env.recorder = env.recorder_on(state)
+    env.seed(
+        *standard_world(
+            f.reservation("slot-a", host=HOST, memory="16Gi"),
+            f.reservation("slot-b", host=HOST, memory="8Gi"),
+        )
+    )
+    before = await state.get_reservation("slot-b")
+    assert before is not None
+    state.land_then_time_out = True
+    with pytest.raises(UnavailableError):
+        await place(env.recorder)  # tightest fit: slot-b
+    assert UUID in env.allocations("slot-b")
+    state.frozen["slot-b"] = before  # the cache has not seen it
+    state.patch(
+        "Reservation",
+        "slot-a",
+        {
+            "spec": {
+                "committedResourceReservation": {"allocations": {"other-vm": f.allocation("8Gi")}}
+            }
+        },
+    )
+    out = await place(env.recorder)  # the event, retried
+    assert (out.allocation, out.reservation) == (AllocationStatus.ALREADY_PRESENT, "slot-b")
+    assert UUID not in env.allocations("slot-a")
 
 
 async def test_snapshot_failure_is_raised_not_swallowed(env: Env) -> None:
