@@ -11,6 +11,7 @@ import asyncio
 
 import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
+from kubernetes_asyncio.config.config_exception import ConfigException
 
 from service.crs.ports import (
     ApiError,
@@ -69,4 +70,9 @@ def map_exception(exc: BaseException, *, kind: str = "", what: str = "") -> ApiE
         return UnavailableError(f"{prefix}timed out", kind=kind)
     if isinstance(exc, aiohttp.ClientError | OSError):
         return UnavailableError(f"{prefix}{type(exc).__name__}: {exc}", kind=kind)
+    # Raised inside a request by the credential refresh (an in-cluster token file read
+    # while it is replaced, a kubeconfig exec plugin failing): the event is not at fault,
+    # a retry reads the credentials again.
+    if isinstance(exc, ConfigException):
+        return UnavailableError(f"{prefix}credentials: {str(exc)[:200]}", kind=kind)
     return None
