@@ -40,6 +40,8 @@ class FakeBroker:
         self.fail_commits = 0  # the next N commits fail with a connection error
         self.fail_fetches: list[BaseException] = []  # raised by the next fetches, in order
         self.init_delay_s = 0.0  # how long InitProducerId takes (a coordinator loading)
+        self.fail_inits = 0  # the next N InitProducerIds fail with a connection error
+        self.commit_delay_s = 0.0  # how long EndTxn takes (a broker in trouble)
         self.commits = 0
         self.data = asyncio.Event()
 
@@ -66,6 +68,9 @@ class FakeProducer:
     async def start(self) -> None:
         if self.txn_id is not None:
             await asyncio.sleep(self.broker.init_delay_s)
+            if self.broker.fail_inits:
+                self.broker.fail_inits -= 1
+                raise KafkaConnectionError("init failed (fake)")
             self.epoch = self.broker.epochs.get(self.txn_id, -1) + 1
             self.broker.epochs[self.txn_id] = self.epoch
 
@@ -83,6 +88,7 @@ class FakeProducer:
         assert self.in_transaction, "no transaction to commit"
         self.calls.append("commit")
         try:
+            await asyncio.sleep(self.broker.commit_delay_s)
             await self._commit()
         finally:
             self.in_transaction = False
@@ -162,6 +168,7 @@ class FakeConsumer:
         self._paused: set[TopicPartition] = set()
         self.positions: dict[TopicPartition, int] = {}
         self.listener: Any = None
+        self.stopped = False
         self._coordinator = _Coordinator(self)
         self.commits: list[dict[TopicPartition, OffsetAndMetadata]] = []
         self.asked: list[set[TopicPartition]] = []  # the partitions each getmany asked for
@@ -172,7 +179,7 @@ class FakeConsumer:
         pass
 
     async def stop(self) -> None:
-        pass
+        self.stopped = True
 
     def subscribe(self, topics: list[str], listener: Any) -> None:
         self.listener = listener

@@ -356,16 +356,28 @@ class StreamService:
         return self._stopping.is_set()
 
     async def close(self) -> None:
-        """Commit what is done, close the producers, leave the group; safe after a failed start."""
-        await self._release(list(self._parts), wait_s=0.0)
-        for task in list(self._background):
-            task.cancel()
-        if self._consumer is not None:
-            with contextlib.suppress(Exception):
-                await self._consumer.stop()  # LeaveGroup: partitions move at once
-        if self._shared_producer is not None:
-            with contextlib.suppress(Exception):
-                await self._shared_producer.stop()
+        """Commit what is done, close the producers, leave the group; safe after a failed start.
+
+        Leaving the group comes even when the commit before it is cut short (the shutdown
+        budget cancels this while a broker in trouble holds the commit): the partitions
+        then move at once instead of after a session timeout. Bounded, as it runs after
+        a cancellation.
+        """
+        try:
+            await self._release(list(self._parts), wait_s=0.0)
+        finally:
+            for task in list(self._background):
+                task.cancel()
+            left = [self._drop(part) for part in list(self._parts.values())]
+            with contextlib.suppress(Exception):  # their producers (the commit cut short)
+                await asyncio.wait_for(asyncio.gather(*left), 5.0)
+            if self._consumer is not None:
+                with contextlib.suppress(Exception):
+                    # LeaveGroup: partitions move at once
+                    await asyncio.wait_for(self._consumer.stop(), 5.0)
+            if self._shared_producer is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._shared_producer.stop(), 5.0)
         self.started = False
         log.info("consumer_stopped", processed=self.processed)
 
@@ -433,7 +445,8 @@ class StreamService:
                 )
                 self.fetch_error = f"{type(exc).__name__}: {str(exc)[:200]}"
                 log.warning("fetch_failed", error=self.fetch_error, retry_in_s=round(delay, 3))
-                await asyncio.sleep(delay)
+                with contextlib.suppress(TimeoutError):  # a stop ends the wait
+                    await asyncio.wait_for(self._stopping.wait(), delay)
                 continue
             if failures:
                 failures = 0
@@ -955,6 +968,8 @@ class StreamService:
         self._parts[tp] = part
         if start is not None:
             self._committed[tp] = start
+        if self._stalled.pop(tp, None) is not None:  # failed take-overs before this one
+            self._metrics.stalled.labels(tp.topic, str(tp.partition)).set(0)
         await self._initial_lag(tp, start or 0)
         consumer.resume(tp)
         log.info(

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from aiokafka.errors import KafkaConnectionError
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from service.stream import consumer as consumer_module
@@ -526,6 +527,51 @@ async def test_a_record_without_a_key_takes_the_lane_of_its_instance_uuid(
     await h.stop()
 
 
+async def test_a_stop_during_a_fetch_back_off_ends_the_loop_at_once(broker: FakeBroker) -> None:
+    # Fetches failing (an ACL revoked, the broker away) sleep the back-off, up to
+    # CRS_RETRY_BACKOFF_MAX_S; a SIGTERM must not wait that out of the shutdown budget.
+    h = Harness(broker, retry_backoff_s=20.0, retry_backoff_max_s=20.0)
+    broker.fail_fetches = [KafkaConnectionError("broker away (fake)")] * 3
+    await h.start(TP0)
+    await until(lambda: h.service.fetch_error is not None)
+    started = time.monotonic()
+    await h.stop()
+    assert time.monotonic() - started < 1.0
+
+
+async def test_close_leaves_the_group_even_when_its_last_commit_is_cut_short(
+    broker: FakeBroker,
+) -> None:
+    # The shutdown budget cancels close() while the final commit hangs on a broker in
+    # trouble; the consumer must still be stopped (LeaveGroup: partitions move at once).
+    h = Harness(broker, commit_timeout_s=30.0)
+    await h.start(TP0)
+    await until(lambda: TP0 in h.service._parts)
+    broker.commit_delay_s = 60.0
+    broker.append(IN, 0, b"k", b"v")
+    await until(lambda: "commit" in h.service._parts[TP0].producer.calls)
+    consumer, producer = h.consumer, h.service._parts[TP0].producer
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(h.service.close(), 0.2)
+    assert consumer.stopped
+    assert producer.stopped
+
+
+async def test_a_partition_taken_over_after_failures_is_no_longer_reported_stalled(
+    broker: FakeBroker,
+) -> None:
+    # Three failed take-overs mark it stalled (readiness 503); a successful one must clear
+    # that even if no record ever arrives to be committed.
+    h = Harness(broker)
+    broker.fail_inits = 3
+    await h.start(TP0)
+    await until(lambda: TP0 in h.service._parts)
+    assert h.service.stalled() == {}
+    value = h.metrics.stalled.labels(IN, "0")._value.get()
+    assert value == 0
+    await h.stop()
+
+
 async def test_key_concurrency_is_bounded(broker: FakeBroker) -> None:
     h = Harness(broker, key_concurrency=3)
     gate = asyncio.Event()
@@ -633,7 +679,7 @@ async def test_thousands_of_waiting_lanes_drain_without_recursion(broker: FakeBr
 
 
 async def test_a_failing_fetch_keeps_the_loop_turning_and_says_why(broker: FakeBroker) -> None:
-    from aiokafka.errors import GroupAuthorizationFailedError, KafkaConnectionError
+    from aiokafka.errors import GroupAuthorizationFailedError
 
     h = Harness(broker, retry_backoff_max_s=0.05)
     broker.fail_fetches = [KafkaConnectionError("gone"), GroupAuthorizationFailedError()]
