@@ -426,8 +426,25 @@ async def _start_with_retry(runtime: Runtime, stop: asyncio.Event) -> Runtime | 
     attempt = 0
     while True:
         attempt += 1
+        # Raced against the stop signal: a start-up waits on servers (a broker that
+        # accepts and never answers holds it for each request's timeout), and the pod is
+        # SIGKILLed a grace period after SIGTERM.
+        starting = asyncio.create_task(runtime.start(), name="start-up")
+        signalled = asyncio.create_task(stop.wait(), name="stop-signal")
         try:
-            await runtime.start()
+            await asyncio.wait({starting, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            signalled.cancel()
+        if not starting.done():
+            starting.cancel()
+            with contextlib.suppress(BaseException):
+                await starting
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(runtime.stop(), config.shutdown_timeout_s)
+            log.info("startup_abandoned", attempts=attempt)
+            return None
+        try:
+            starting.result()
             return runtime
         except Exception as exc:
             error = clip(f"{type(exc).__name__}: {exc}")

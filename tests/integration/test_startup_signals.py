@@ -1,0 +1,52 @@
+"""A stop signal while the service is still starting (the real process, the real API server).
+
+Start-up waits on Kafka (the ACL pre-flight, the consumer's bootstrap), each request up to
+its client timeout; a broker that accepts connections and never answers (a half-open
+network, a broker stuck in recovery) holds it there for tens of seconds. Kubernetes sends
+SIGTERM and SIGKILLs after terminationGracePeriodSeconds: the signal must end the start-up
+at once, not after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import e2e
+from tests.conftest import DevStack
+
+pytestmark = pytest.mark.integration
+
+
+async def test_sigterm_during_a_start_up_stuck_on_kafka_ends_it_at_once(
+    devstack: DevStack, tmp_path: Path
+) -> None:
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # accepts (the kernel does), never answers
+    port = silent.getsockname()[1]
+    topics = {"input": "never-in", "output": "never-out", "dlq": "never-dlq"}
+    cfg = e2e.config(devstack, topics, KAFKA_BOOTSTRAP_SERVERS=f"127.0.0.1:{port}")
+    log = tmp_path / "service.log"
+    proc = e2e.spawn(cfg, str(log))
+    try:
+        await asyncio.sleep(4)  # well into the start-up, waiting on the silent broker
+        assert proc.poll() is None, log.read_text()[-2000:]
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(proc.wait, 30)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        silent.close()
+    text = log.read_text()
+    assert code == 0, text[-2000:]
+    assert took < 3.0, f"exit {took:.1f}s after SIGTERM\n{text[-2000:]}"
+    assert "startup_abandoned" in text
