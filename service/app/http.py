@@ -9,12 +9,16 @@ Both return a small JSON body that says why, for the person reading a failing pr
 
 from __future__ import annotations
 
+import errno
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from service.app.config import ConfigError
 
 __all__ = ["HealthChecks", "HttpServer"]
 
@@ -47,7 +51,18 @@ class HttpServer:
         self._runner = web.AppRunner(self._app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._host, self._port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            await self._runner.cleanup()
+            # An address that is not this host's or does not resolve is a setting no
+            # retry fixes (start-up retries OSErrors: a server briefly away); a port in
+            # use may be freed by a process still exiting, so that one stays an OSError.
+            if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+                raise ConfigError(
+                    f"CRS_HTTP_HOST={self._host!r}: cannot listen there ({exc.strerror or exc})"
+                ) from exc
+            raise
         server = site._server
         sockets = getattr(server, "sockets", None) or []
         self.port = sockets[0].getsockname()[1] if sockets else self._port

@@ -1,4 +1,5 @@
-"""A stop signal while the service is still starting (the real process, the real API server).
+"""Start-up of the real process against the real servers: a stop signal while it is still
+starting, and a setting that no retry fixes.
 
 Start-up waits on Kafka (the ACL pre-flight, the consumer's bootstrap), each request up to
 its client timeout; a broker that accepts connections and never answers (a half-open
@@ -50,3 +51,24 @@ async def test_sigterm_during_a_start_up_stuck_on_kafka_ends_it_at_once(
     assert code == 0, text[-2000:]
     assert took < 3.0, f"exit {took:.1f}s after SIGTERM\n{text[-2000:]}"
     assert "startup_abandoned" in text
+
+
+async def test_an_http_address_not_on_this_host_exits_at_once_as_configuration(
+    devstack: DevStack, tmp_path: Path
+) -> None:
+    # Start-up retries OSErrors (a server briefly away): this one no retry fixes.
+    topics = {"input": "never-in", "output": "never-out", "dlq": "never-dlq"}
+    cfg = e2e.config(devstack, topics, CRS_HTTP_HOST="192.0.2.1")
+    log = tmp_path / "service.log"
+    proc = e2e.spawn(cfg, str(log))
+    try:
+        code = await asyncio.to_thread(proc.wait, 60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert code == 1, text[-2000:]
+    assert "startup_failed" in text
+    assert "CRS_HTTP_HOST='192.0.2.1'" in text
+    assert "startup_retrying" not in text

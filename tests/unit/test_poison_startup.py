@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import socket
 import ssl
 
 import aiohttp
 import pytest
 from aiokafka import errors as kafka_errors
 from kubernetes_asyncio.config import ConfigException
+from prometheus_client import CollectorRegistry
 
+from service.app.config import ConfigError
+from service.app.http import HealthChecks, HttpServer
 from service.app.runtime import _transient_startup_error
 from service.crs.ports import ForbiddenError, InvalidError, UnavailableError
 
@@ -50,3 +54,37 @@ def test_transient_errors_are_retried(error: BaseException) -> None:
 )
 def test_configuration_errors_exit(error: BaseException) -> None:
     assert not _transient_startup_error(error)
+
+
+@pytest.mark.parametrize("host", ["192.0.2.1", "no-such-host.invalid"])
+async def test_an_http_address_that_cannot_be_listened_on_is_configuration(host: str) -> None:
+    # Not this host's address / not resolvable: retrying (OSError) would loop for good.
+    server = HttpServer(CollectorRegistry(), HealthChecks(alive=alive, ready=ready), host, 0)
+    with pytest.raises(ConfigError, match=f"CRS_HTTP_HOST='{host}'") as err:
+        await server.start()
+    assert not _transient_startup_error(err.value)
+
+
+async def test_a_port_in_use_stays_an_error_worth_retrying() -> None:
+    # The previous process may still be exiting.
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        server = HttpServer(
+            CollectorRegistry(), HealthChecks(alive=alive, ready=ready), "127.0.0.1", port
+        )
+        with pytest.raises(OSError, match="address already in use") as err:
+            await server.start()
+        assert _transient_startup_error(err.value)
+    finally:
+        taken.close()
+
+
+def alive() -> tuple[bool, str]:
+    return True, "ok"
+
+
+async def ready() -> tuple[bool, str]:
+    return True, "ok"
