@@ -87,11 +87,17 @@ class FakeProducer:
     async def commit_transaction(self) -> None:
         assert self.in_transaction, "no transaction to commit"
         self.calls.append("commit")
-        try:
-            await asyncio.sleep(self.broker.commit_delay_s)
-            await self._commit()
-        finally:
-            self.in_transaction = False
+
+        async def end() -> None:
+            try:
+                await asyncio.sleep(self.broker.commit_delay_s)
+                await self._commit()
+            finally:
+                self.in_transaction = False
+
+        # As aiokafka: the EndTxn is shielded, a cancelled caller stops waiting for it
+        # but the commit goes on.
+        await asyncio.shield(end())
 
     async def abort_transaction(self) -> None:
         assert self.in_transaction, "no transaction to abort"

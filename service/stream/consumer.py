@@ -757,6 +757,13 @@ class StreamService:
         except Exception as exc:  # fenced, or broker, network or client trouble
             self._commit_failed(part, exc)
             return False
+        except asyncio.CancelledError:
+            # Cut short (the shutdown budget, a drop): aiokafka shields the EndTxn, so
+            # the transaction may commit all the same. With its outcome unknown nothing of
+            # this part may be committed again; whoever takes the partition over next
+            # starts from what the broker has.
+            part.closed = True
+            raise
         part.ledger.committed(plan)
         if part.ledger.done_uncommitted:  # decided while this commit ran: the next one
             part.wake.set()

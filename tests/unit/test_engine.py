@@ -557,6 +557,24 @@ async def test_close_leaves_the_group_even_when_its_last_commit_is_cut_short(
     assert producer.stopped
 
 
+async def test_a_commit_cut_short_is_never_committed_again(broker: FakeBroker) -> None:
+    # A cancel (the shutdown budget) landing while a commit waits for EndTxn: aiokafka
+    # shields the EndTxn, so the transaction may commit all the same. Its outcome unknown,
+    # the partition must not commit the same outputs again when it is released.
+    h = Harness(broker)
+    await h.start(TP0)
+    await until(lambda: TP0 in h.service._parts)
+    part = h.service._parts[TP0]
+    broker.commit_delay_s = 0.2
+    broker.append(IN, 0, b"k", b"v")
+    await until(lambda: "commit" in part.producer.calls)
+    assert part.committer is not None
+    part.committer.cancel()
+    await asyncio.sleep(0.4)  # the shielded commit lands
+    await h.service.close()
+    assert outputs(broker) == [b"v"]
+
+
 async def test_a_partition_taken_over_after_failures_is_no_longer_reported_stalled(
     broker: FakeBroker,
 ) -> None:
