@@ -592,12 +592,15 @@ class StreamService:
                         offset=record.offset,
                     )
                     reason = f"{type(exc).__name__}: {exc}"
+                    counts.clear()  # whatever it counted before failing: only the stub
                     out = self._processor.stub(
                         ref, record.key, record.value, INTERNAL_ERROR, reason
                     )
             if out is not None:
                 if record.offset in self._oversized.get(tp, ()):
-                    out = self._stub(out, ref, record)
+                    with deferred.capture() as stub_counts:  # counted at commit, too
+                        out = self._stub(out, ref, record)
+                    counts.extend(stub_counts)
                 return _Done(out, counts)
             # The cluster cannot take it now: this key waits, the others go on.
             await asyncio.sleep(self._backoff(attempt))

@@ -405,8 +405,9 @@ class Processor:
         """A stub dead letter for the input at ``ref`` (see :func:`stub_dead_letter`).
 
         For what never became a full dead letter: a bug while deciding, or a
-        classification the output topic refused.
+        classification the output topic refused. Counted as a dead letter of ``code``.
         """
+        self._metrics.dead_letters.labels(code).inc()
         source = DeadLetterSource(ref, code, clip(reason), key, value)
         out = OutRecord(self._dlq_topic, None, None, [], dead_letter=True, source=source)
         return stub_dead_letter(out, error=error)

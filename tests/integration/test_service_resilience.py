@@ -313,6 +313,8 @@ async def test_output_refused_as_too_large_becomes_stub_dead_letters_not_a_repla
             await wait_for(all_done, 60, "every input to end somewhere")
             failures = runtime.metrics.commit_failures.labels("record_too_large")._value.get()
             assert failures >= 1
+            rejected = runtime.metrics.dead_letters.labels("output_rejected")._value.get()
+            assert rejected == len(records)  # each stub counted once, at its commit
         finally:
             runtime.request_stop()
             await asyncio.wait_for(task, 30)

@@ -72,6 +72,7 @@ class FakeProcessor:
         # The real processor's stub: what the engine publishes is the service's own.
         real = Processor.__new__(Processor)
         real._dlq_topic = self.dlq_topic
+        real._metrics = self.metrics
         return Processor.stub(real, ref, key, value, code, reason, **kw)
 
 
@@ -636,6 +637,8 @@ async def test_an_output_too_large_for_the_broker_becomes_a_stub_dead_letter(
     assert headers["crs.error"] == b"output_rejected"
     assert stub.value is None
     assert h.metrics.commit_failures.labels("record_too_large")._value.get() == 1
+    # Counted where it went: a dead letter (the classification was made, and is counted).
+    assert h.metrics.dead_letters.labels("output_rejected")._value.get() == 1
 
 
 async def test_a_rejected_stub_stalls_the_partition_instead_of_looping(
