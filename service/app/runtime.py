@@ -83,6 +83,8 @@ def stream_settings(c: Config) -> StreamSettings:
         retry_backoff_s=c.retry_backoff_s,
         retry_backoff_max_s=c.retry_backoff_max_s,
         revoke_wait_s=c.revoke_wait_s,
+        # The revoke's commits get what is left of half a session (at least a second).
+        revoke_commit_s=max(1.0, c.session_timeout_ms / 2000 - c.revoke_wait_s),
         # No heartbeat during the assignment callback either: stay well inside a session.
         assign_wait_s=c.session_timeout_ms / 3000,
         stop_wait_s=c.shutdown_timeout_s / 3,

@@ -124,6 +124,8 @@ class StreamSettings:
     # A revoke runs inside the group's rebalance: aiokafka does not heartbeat meanwhile,
     # so it must stay well below the session timeout or this member is evicted too.
     revoke_wait_s: float = 2.0
+    # ... and its last commits (all partitions' together) at most this long.
+    revoke_commit_s: float = 3.0
     # How long an assignment waits for its take-overs before it hands them to the
     # background (aiokafka does not heartbeat during the callback either).
     assign_wait_s: float = 3.0
@@ -895,7 +897,7 @@ class StreamService:
             task = self._acquiring.pop(tp, None)
             if task is not None:
                 task.cancel()
-        await self._release(revoked, wait_s=self._s.revoke_wait_s)
+        await self._release(revoked, wait_s=self._s.revoke_wait_s, commit_s=self._s.revoke_commit_s)
         for tp in revoked:
             self._committed.pop(tp, None)
             self._stalled.pop(tp, None)
@@ -990,8 +992,13 @@ class StreamService:
             resumed_done_above=bool(metadata),
         )
 
-    async def _release(self, tps: list[TopicPartition], *, wait_s: float) -> None:
-        """Finish (bounded) and commit the work of ``tps``, then close their producers."""
+    async def _release(
+        self, tps: list[TopicPartition], *, wait_s: float, commit_s: float | None = None
+    ) -> None:
+        """Finish (bounded by ``wait_s``) and commit (bounded by ``commit_s``, default
+        commit_timeout_s) the work of ``tps``, then close their producers."""
+        if commit_s is None:
+            commit_s = self._s.commit_timeout_s
         parts = [self._parts[tp] for tp in tps if tp in self._parts]
         for part in parts:
             part.draining = True
@@ -1003,17 +1010,30 @@ class StreamService:
                 _, late = await asyncio.wait(running, timeout=wait_s)
                 if late:
                     log.warning("release_abandoning_in_flight", records=len(late))
-        for part in parts:
-            if not part.closed:
-                try:
-                    await self._commit(part)
-                except Exception as exc:  # released anyway: the next owner reprocesses
-                    log.warning("release_commit_failed", error=repr(exc)[:300])
+        # The partitions' last commits run side by side (a producer each), bounded as a
+        # whole: a revoke runs inside the rebalance, where aiokafka sends no heartbeat, and
+        # one commit may take commit_timeout_s (a transaction coordinator loading). A
+        # commit cut short closes its partition (see _commit_locked): the next owner
+        # starts from whatever the broker has.
+        commits = [asyncio.create_task(self._last_commit(p)) for p in parts if not p.closed]
+        if commits:
+            _, late = await asyncio.wait(commits, timeout=commit_s)
+            if late:
+                log.warning("release_commit_cut_short", partitions=len(late))
+                for task in late:
+                    task.cancel()
+                await asyncio.wait(late)
         await asyncio.gather(*(self._drop(part) for part in parts))
         log.info(
             "partitions_released",
             partitions=sorted(p.tp.partition for p in parts),
         )
+
+    async def _last_commit(self, part: _Partition) -> None:
+        try:
+            await self._commit(part)
+        except Exception as exc:  # released anyway: the next owner reprocesses
+            log.warning("release_commit_failed", error=repr(exc)[:300])
 
     async def _drop(self, part: _Partition) -> None:
         """Forget ``part`` without committing anything more of it."""

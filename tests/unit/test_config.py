@@ -386,3 +386,4 @@ def test_the_rebalance_callbacks_stay_well_inside_the_session_timeout() -> None:
         s = stream_settings(c)
         assert s.assign_wait_s * 1000 <= c.session_timeout_ms / 3
         assert s.revoke_wait_s * 1000 <= c.session_timeout_ms / 2
+        assert (s.revoke_wait_s + s.revoke_commit_s) * 1000 < c.session_timeout_ms

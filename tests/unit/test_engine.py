@@ -576,6 +576,30 @@ async def test_a_commit_cut_short_is_never_committed_again(broker: FakeBroker) -
     assert outputs(broker) == [b"v"]
 
 
+async def test_a_revoke_bounds_its_last_commits_and_commits_nothing_twice(
+    broker: FakeBroker,
+) -> None:
+    # Inside the rebalance (no heartbeat): commits hanging on a broker in trouble must not
+    # hold it for commit_timeout_s each, one partition after the other.
+    h = Harness(broker, revoke_wait_s=0.1, revoke_commit_s=0.2, commit_timeout_s=30.0)
+    await h.start(TP0, TP1)
+    await until(lambda: TP0 in h.service._parts and TP1 in h.service._parts)
+    parts = [h.service._parts[TP0], h.service._parts[TP1]]
+    broker.commit_delay_s = 1.0
+    broker.append(IN, 0, b"k", b"v0")
+    broker.append(IN, 1, b"k", b"v1")
+    await until(lambda: all("commit" in p.producer.calls for p in parts))
+    started = time.monotonic()
+    await h.consumer.assign([])  # both revoked while their commits hang
+    assert time.monotonic() - started < 0.5
+    assert all(p.closed and p.producer.stopped for p in parts)
+    await asyncio.sleep(1.0)  # the shielded commits land after all
+    await h.consumer.assign([TP0, TP1])  # taken over again: nothing published twice
+    await asyncio.sleep(0.3)
+    assert sorted(outputs(broker)) == [b"v0", b"v1"]
+    await h.stop()
+
+
 async def test_a_partition_taken_over_after_failures_is_no_longer_reported_stalled(
     broker: FakeBroker,
 ) -> None:
