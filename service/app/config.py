@@ -385,6 +385,16 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
             self.kafka_client_args()  # unreadable or mismatched TLS files fail here, by name
         if len({self.input_topic, self.output_topic, self.dlq_topic}) != 3:
             raise ConfigError("CRS_INPUT_TOPIC, CRS_OUTPUT_TOPIC and CRS_DLQ_TOPIC must differ")
+        if self.session_timeout_ms < 6000:
+            # Kafka's default group.min.session.timeout.ms: the broker refuses to let a
+            # member join with less (and aiokafka heartbeats every 3 s).
+            raise ConfigError("CRS_SESSION_TIMEOUT_MS must be at least 6000")
+        if self.liveness_bound_s <= self.retry_backoff_max_s + self.poll_timeout_ms / 1000:
+            # While fetches fail the consume loop waits the back-off between turns; a
+            # bound below it would restart a healthy pod that is waiting out an outage.
+            raise ConfigError(
+                "CRS_LIVENESS_BOUND_S must exceed CRS_RETRY_BACKOFF_MAX_S plus CRS_POLL_TIMEOUT_MS"
+            )
         if self.revoke_wait_s * 1000 > self.session_timeout_ms / 2:
             raise ConfigError("CRS_REVOKE_WAIT_S must be at most half of CRS_SESSION_TIMEOUT_MS")
         if self.watch_timeout_s is not None and self.watch_timeout_s > self.readiness_bound_s / 2:

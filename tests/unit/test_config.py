@@ -387,3 +387,25 @@ def test_the_rebalance_callbacks_stay_well_inside_the_session_timeout() -> None:
         assert s.assign_wait_s * 1000 <= c.session_timeout_ms / 3
         assert s.revoke_wait_s * 1000 <= c.session_timeout_ms / 2
         assert (s.revoke_wait_s + s.revoke_commit_s) * 1000 < c.session_timeout_ms
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"CRS_SESSION_TIMEOUT_MS": "3000"}, "CRS_SESSION_TIMEOUT_MS must be at least 6000"),
+        (
+            {"CRS_LIVENESS_BOUND_S": "60", "CRS_RETRY_BACKOFF_MAX_S": "60"},
+            "CRS_LIVENESS_BOUND_S must exceed CRS_RETRY_BACKOFF_MAX_S plus CRS_POLL_TIMEOUT_MS",
+        ),
+    ],
+)
+def test_settings_that_would_break_the_running_service_are_refused_at_start(
+    env: dict[str, str], message: str
+) -> None:
+    # A session below the broker's minimum fails every JoinGroup (the loop would retry
+    # forever); a liveness bound inside the fetch back-off restarts a pod waiting out an
+    # outage.
+    with pytest.raises(ConfigError, match=message):
+        Config.load(env=env)
+    Config.load(env={"CRS_SESSION_TIMEOUT_MS": "6000"})
+    Config.load(env={"CRS_LIVENESS_BOUND_S": "61", "CRS_RETRY_BACKOFF_MAX_S": "60"})

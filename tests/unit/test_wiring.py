@@ -79,7 +79,9 @@ class _Loop:
 
 
 def test_liveness_fails_after_the_configured_bound() -> None:
-    runtime = Runtime(Config.load(env={"CRS_LIVENESS_BOUND_S": "5"}))
+    runtime = Runtime(
+        Config.load(env={"CRS_LIVENESS_BOUND_S": "5", "CRS_RETRY_BACKOFF_MAX_S": "2"})
+    )
     fake: Any = runtime
     fake.stream = _Loop(idle_s=10)
     ok, detail = runtime._alive()
