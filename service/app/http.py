@@ -47,6 +47,12 @@ class HttpServer:
         app.router.add_get("/readyz", self._readyz)
         self._app = app
 
+    def serve(self, registry: CollectorRegistry, checks: HealthChecks) -> None:
+        """Answer from ``registry`` and ``checks`` from now on (a retried start-up hands
+        the running server to its next attempt, so the probes never go unanswered)."""
+        self._registry = registry
+        self._checks = checks
+
     async def start(self) -> None:
         self._runner = web.AppRunner(self._app, access_log=None)
         await self._runner.setup()

@@ -123,8 +123,14 @@ def watch_options(c: Config) -> WatchOptions:
     }
 
 
+# A start-up attempt's HTTP server and loop watchdog (with its task), handed to the next.
+_Front = tuple[HttpServer, LoopWatchdog, "asyncio.Task[None]"]
+
+
 class Runtime:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, front: _Front | None = None) -> None:
+        """``front``: the HTTP server and loop watchdog of a failed start-up attempt,
+        taken over (and closed by this one's :meth:`stop`)."""
         self.config = config
         self.metrics = StreamMetrics()
         self.k8s_metrics = K8sMetrics(self.metrics.registry)
@@ -133,12 +139,30 @@ class Runtime:
         self.stream: StreamService | None = None
         self.http: HttpServer | None = None
         self.watchdog = LoopWatchdog()
+        self._watchdog_task: asyncio.Task[None] | None = None
+        self.start_error: str | None = None  # the last failed attempt's, for /readyz
+        if front is not None:
+            self.http, self.watchdog, self._watchdog_task = front
+            self.http.serve(
+                self.metrics.registry, HealthChecks(alive=self._alive, ready=self._ready)
+            )
         self._tasks: list[asyncio.Task[Any]] = []
         self._k8s_ok: tuple[float, bool, str] = (0.0, False, "not checked yet")
         self.kafka_probe: KafkaProbe | None = None
 
     async def start(self) -> None:
         c = self.config
+        if self.http is None:
+            # First, so the probes answer during the rest (a watch cache's first sync or a
+            # Kafka that is still away can take long): alive, not ready.
+            self.http = HttpServer(
+                self.metrics.registry,
+                HealthChecks(alive=self._alive, ready=self._ready),
+                c.http_host,
+                c.http_port,
+            )
+            await self.http.start()
+            self._watchdog_task = asyncio.create_task(self.watchdog.run(), name="watchdog")
         await ensure_kafka_access(c)  # a missing ACL fails the start, named, not the loop
         self.client = await KubeClient.create(
             c.kubeconfig, request_timeout_s=c.k8s_timeout_s, metrics=self.k8s_metrics
@@ -159,14 +183,6 @@ class Runtime:
             max_attempts=c.max_attempts,
         )
         self.stream = StreamService(stream_settings(c), processor, self.metrics)
-        self.http = HttpServer(
-            self.metrics.registry,
-            HealthChecks(alive=self._alive, ready=self._ready),
-            c.http_host,
-            c.http_port,
-        )
-        await self.http.start()
-        self._tasks.append(asyncio.create_task(self.watchdog.run(), name="watchdog"))
         bound = c.readiness_bound_s
         # Probe often enough that a healthy cluster never looks older than the bound.
         self.kafka_probe = KafkaProbe(
@@ -176,6 +192,7 @@ class Runtime:
         self._tasks.append(asyncio.create_task(self._health_monitor(), name="health-monitor"))
         self._tasks.append(asyncio.create_task(self._heap_keeper(), name="heap-keeper"))
         await self.stream.start()
+        self.start_error = None
         log.info("service_started", http_port=self.http.port, config=c.redacted())
 
     async def _make_state(self) -> ListClusterState | WatchClusterState:
@@ -194,16 +211,30 @@ class Runtime:
         if self.stream is not None:
             self.stream.request_stop()
 
-    async def stop(self) -> None:
-        """Close whatever was started, the consumer first, the HTTP server last.
+    def handover(self, error: str) -> Runtime:
+        """The next start-up attempt after this one failed with ``error`` (and was
+        stopped with ``keep_front``): it takes over the HTTP server and the watchdog."""
+        front = None
+        if self.http is not None and self._watchdog_task is not None:
+            front = (self.http, self.watchdog, self._watchdog_task)
+        successor = Runtime(self.config, front=front)
+        successor.start_error = error
+        return successor
+
+    async def stop(self, *, keep_front: bool = False) -> None:
+        """Close whatever was started, the consumer first, the HTTP server last
+        (``keep_front``: not the HTTP server and the watchdog, see :meth:`handover`).
 
         Every part gets its close call even when an earlier one raises (an exit stack);
         each failure is logged, and one of them is raised once all parts were closed.
         """
         async with contextlib.AsyncExitStack() as stack:
             # Pushed in reverse: the stack unwinds last in, first out.
-            if self.http is not None:
+            if self.http is not None and not keep_front:
                 stack.push_async_callback(_close, "http", self.http.stop)
+            if self._watchdog_task is not None and not keep_front:
+                task = self._watchdog_task
+                stack.push_async_callback(_close, "watchdog", functools.partial(_cancel, task))
             if self.client is not None:
                 stack.push_async_callback(_close, "kubernetes_client", self.client.close)
             if isinstance(self.state, WatchClusterState):
@@ -231,6 +262,8 @@ class Runtime:
 
     async def _ready(self) -> tuple[bool, str]:
         if self.stream is None or not self.stream.started:
+            if self.start_error is not None:
+                return False, f"starting; the last attempt failed: {self.start_error}"
             return False, "consumer not started"
         ok, detail = self._kafka_ready()
         if not ok:
@@ -451,16 +484,21 @@ async def _start_with_retry(runtime: Runtime, stop: asyncio.Event) -> Runtime | 
         except Exception as exc:
             error = clip(f"{type(exc).__name__}: {exc}")
             transient = _transient_startup_error(exc)
+            # A retry keeps the HTTP server up: the kubelet restarts a pod whose liveness
+            # probe goes unanswered, and /readyz says why it is not ready.
+            closing = runtime.stop(keep_front=transient)
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(runtime.stop(), config.shutdown_timeout_s)
+                await asyncio.wait_for(closing, config.shutdown_timeout_s)
             if not transient:
                 log.error("startup_failed", error=error, hint="configuration error; not retried")
                 return None
+        runtime = runtime.handover(error)
         delay = backoff.exponential(attempt, config.retry_backoff_s, config.retry_backoff_max_s)
         log.warning("startup_retrying", error=error, attempt=attempt, retry_in_s=delay)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), delay)
         if stop.is_set():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(runtime.stop(), config.shutdown_timeout_s)
             log.info("startup_abandoned", attempts=attempt)
             return None
-        runtime = Runtime(config)

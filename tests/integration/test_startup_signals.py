@@ -16,6 +16,7 @@ import socket
 import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from tests import e2e
@@ -72,3 +73,58 @@ async def test_an_http_address_not_on_this_host_exits_at_once_as_configuration(
     assert "startup_failed" in text
     assert "CRS_HTTP_HOST='192.0.2.1'" in text
     assert "startup_retrying" not in text
+
+
+async def test_probes_answer_while_the_start_up_is_retried(
+    devstack: DevStack, tmp_path: Path
+) -> None:
+    # Kafka refusing connections at start-up is retried with back-off. Meanwhile /healthz
+    # must answer 200 (the kubelet restarts a pod whose liveness probe is refused) and
+    # /readyz 503 saying why.
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    kafka_port = closed.getsockname()[1]
+    closed.close()  # nothing listens there: connection refused
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    http_port = probe.getsockname()[1]
+    probe.close()
+    topics = {"input": "never-in", "output": "never-out", "dlq": "never-dlq"}
+    cfg = e2e.config(
+        devstack,
+        topics,
+        KAFKA_BOOTSTRAP_SERVERS=f"127.0.0.1:{kafka_port}",
+        CRS_HTTP_PORT=str(http_port),
+        CRS_RETRY_BACKOFF_S="3",
+        CRS_RETRY_BACKOFF_MAX_S="5",
+    )
+    log = tmp_path / "service.log"
+    proc = e2e.spawn(cfg, str(log))
+    base = f"http://127.0.0.1:{http_port}"
+    alive: list[int | None] = []
+    ready: list[tuple[int, str]] = []
+    try:
+        async with aiohttp.ClientSession() as http:
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    async with http.get(f"{base}/healthz") as resp:
+                        alive.append(resp.status)
+                    async with http.get(f"{base}/readyz") as resp:
+                        ready.append((resp.status, (await resp.json())["detail"]))
+                except aiohttp.ClientConnectionError:
+                    alive.append(None)
+                await asyncio.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(proc.wait, 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert code == 0, text[-2000:]
+    assert text.count("startup_retrying") >= 2, text[-2000:]
+    assert len(alive) > 30
+    assert alive[5:] == [200] * len(alive[5:]), alive  # after the first second: always up
+    assert all(status == 503 for status, _ in ready)
+    assert any("KafkaConnectionError" in detail for _, detail in ready), ready[-3:]
