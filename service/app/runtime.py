@@ -75,6 +75,7 @@ def stream_settings(c: Config) -> StreamSettings:
         max_batch=c.max_batch,
         max_in_flight=c.max_in_flight,
         key_concurrency=c.key_concurrency,
+        max_event_bytes=c.max_event_bytes,
         commit_interval_ms=c.commit_interval_ms,
         commit_burst=c.commit_burst,
         txn_retry_backoff_ms=c.txn_retry_backoff_ms,

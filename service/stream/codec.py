@@ -212,28 +212,43 @@ def _decode_input(
         raise Poison(PoisonCode.EMPTY_VALUE, "record value is empty (a tombstone?)")
     if len(value) > max_bytes:
         raise Poison(PoisonCode.OVERSIZED, f"value is {len(value)} bytes, limit {max_bytes}")
-    attrs = _header_map(headers)
-    content_type = attrs.get("content-type", "").lower()
-    if not content_type.startswith("application/cloudevents") and "ce_specversion" in attrs:
+    raw = _header_map(headers)
+    content_type = _header_text(raw, "content-type").lower()
+    if not content_type.startswith("application/cloudevents") and "ce_specversion" in raw:
+        attrs = {name: _header_text(raw, name) for name in raw}
         event = _decode_binary(value, attrs)
-    else:
+    else:  # structured: the ce_ headers carry nothing (and are not decoded)
         event = _decode_structured(value)
     _check_subject(event, key)
     return event
 
 
-def _header_map(headers: Sequence[tuple[str, bytes | None]] | None) -> dict[str, str]:
-    # Only the few headers we read are decoded; a header we ignore cannot poison a record.
-    out: dict[str, str] = {}
+# The headers the decoder reads (binary mode: the attributes it uses; content-type picks
+# the mode). Only these are kept, and each is decoded only when read: a header we ignore
+# (an extension attribute, any ce_ header of a structured event) cannot poison a record.
+_READ_HEADERS: Final = frozenset(
+    {"content-type", "ce_specversion", "ce_type", "ce_id", "ce_source", "ce_time", "ce_subject"}
+)
+
+
+def _header_map(headers: Sequence[tuple[str, bytes | None]] | None) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
     for name, raw in headers or ():
         lname = name.lower()
-        if raw is None or not (lname == "content-type" or lname.startswith("ce_")):
-            continue
-        try:
-            out[lname] = bytes(raw).decode("utf-8")
-        except (UnicodeDecodeError, TypeError) as exc:
-            raise Poison(PoisonCode.INVALID_EVENT, f"header {_quote(name)} is not UTF-8") from exc
+        if raw is not None and lname in _READ_HEADERS:
+            out[lname] = raw
     return out
+
+
+def _header_text(raw: Mapping[str, bytes], name: str) -> str:
+    """The header ``name`` as text ("" when absent); not UTF-8 is a bad event."""
+    value = raw.get(name)
+    if value is None:
+        return ""
+    try:
+        return bytes(value).decode("utf-8")
+    except (UnicodeDecodeError, TypeError) as exc:
+        raise Poison(PoisonCode.INVALID_EVENT, f"header {_quote(name)} is not UTF-8") from exc
 
 
 # What the typed decoders raise on bad input: schema and syntax errors, bad UTF-8 inside

@@ -113,6 +113,9 @@ class StreamSettings:
     max_batch: int = 500  # records per fetch
     max_in_flight: int = 2000  # per partition, received but not committed
     key_concurrency: int = 256  # per partition, keys processed at once
+    # The event size limit (the processor dead-letters larger ones unread): an unkeyed
+    # record above it is not parsed for its lane either.
+    max_event_bytes: int = 1 << 20
     commit_interval_ms: int = 100  # a partition's sustained commit rate: one per interval
     commit_burst: int = 3  # commits that may follow each other sooner (a quiet partition)
     commit_max_records: int = 500
@@ -495,8 +498,8 @@ class StreamService:
         # No key: the instance UUID, so one VM's events stay in order. Anything that does
         # not decode shares one lane (it becomes a dead letter quickly).
         try:
-            event = decode_input(record.value, record.headers, max_bytes=1 << 62)
-        except Exception:
+            event = decode_input(record.value, record.headers, max_bytes=self._s.max_event_bytes)
+        except Exception:  # oversized (not parsed) or bad: a dead letter soon, any lane
             return b""
         return event.data.request.instance_uuid.lower().encode()
 

@@ -615,6 +615,31 @@ async def test_a_partition_taken_over_after_failures_is_no_longer_reported_stall
     await h.stop()
 
 
+async def test_an_oversized_record_without_a_key_is_not_parsed_for_its_lane(
+    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Keying an unkeyed record by its instance UUID decodes it in the fetch loop; one
+    # above the event size limit is dead-lettered unread, so it must not be parsed here.
+    parsed: list[int] = []
+    real = consumer_module.decode_input
+
+    def counting(value: Any, headers: Any, **kwargs: Any) -> Any:
+        if len(value) <= kwargs["max_bytes"]:  # above it, decode_input refuses unread
+            parsed.append(len(value))
+        return real(value, headers, **kwargs)
+
+    monkeypatch.setattr(consumer_module, "decode_input", counting)
+    h = Harness(broker, max_event_bytes=3000)
+    _, decision, request = e2e.outcome("hv-1", ["hv-1"])
+    small = encode_input(decision, request)[0]
+    broker.append(IN, 0, None, small)
+    broker.append(IN, 0, None, b"[" + b"{}," * 2000 + b"{}]")
+    await h.start(TP0)
+    await until(lambda: len(outputs(broker)) == 2)
+    await h.stop()
+    assert parsed == [len(small)]
+
+
 async def test_key_concurrency_is_bounded(broker: FakeBroker) -> None:
     h = Harness(broker, key_concurrency=3)
     gate = asyncio.Event()

@@ -179,6 +179,20 @@ def test_extension_attributes_are_ignored(structured: bytes) -> None:
     assert decode_input(json.dumps(doc).encode(), None, max_bytes=MAX).id == "ev-1"
 
 
+def test_headers_the_decoder_does_not_read_cannot_poison_a_record(structured: bytes) -> None:
+    # CloudEvents requires UTF-8 header values, but an extension attribute (or, in
+    # structured mode, any ce_ header) is never read: a broken one must not dead-letter
+    # a valid event.
+    bad = b"\xff\xfe"
+    headers = [("Content-Type", b"application/cloudevents+json"), ("ce_traceparent", bad)]
+    assert decode_input(structured, headers, max_bytes=MAX).id == "ev-1"
+    stale = [("Content-Type", b"application/cloudevents+json"), ("ce_id", bad)]
+    assert decode_input(structured, stale, max_bytes=MAX).id == "ev-1"
+    value, binary, _ = binary_with(ce_traceparent=bad)(structured)
+    assert binary is not None
+    assert decode_input(value, binary, max_bytes=MAX).id == "ev-1"
+
+
 def test_subject_and_key_compare_case_insensitively(structured: bytes) -> None:
     doc = envelope(structured)
     doc["subject"] = INSTANCE.upper()

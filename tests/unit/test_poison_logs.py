@@ -73,7 +73,7 @@ def hostile() -> list[tuple[bytes | None, bytes | None, Any]]:
         (None, structured(specversion=["x" * 1000] * 900), None),
         (None, binary_value, binary_headers(ce_specversion=b"1" * BIG)),
         (None, binary_value, binary_headers(ce_type=b"t" * BIG)),
-        (None, binary_value, [*binary_headers(), ("ce_" + "n" * BIG, b"\xff")]),
+        (None, binary_value, [*binary_headers(), ("ce_id", b"\xff" * BIG)]),  # read, bad
         (None, b"[" * 100_000, None),
         (None, b'{"a":' + b"9" * BIG + b"}", None),
         (None, b'"' + b"\xff" * BIG + b'"', None),
