@@ -10,12 +10,12 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from aiokafka.structs import ConsumerRecord, TopicPartition
+from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
 from service.app.config import Config
 from service.app.runtime import Runtime
@@ -126,6 +126,17 @@ async def read_all(
         await consumer.stop()
 
 
+async def committed(bootstrap: str, group: str, tp: TopicPartition) -> OffsetAndMetadata | None:
+    """The group's committed offset (and metadata) of ``tp``, as the broker has it."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group)
+    await consumer.start()
+    try:
+        found = await consumer._coordinator.fetch_committed_offsets([tp])
+        return found.get(tp)
+    finally:
+        await consumer.stop()
+
+
 def data_of(record: ConsumerRecord) -> dict[str, Any]:
     event: dict[str, Any] = msgspec.json.decode(record.value)
     return event["data"]  # type: ignore[no-any-return]
@@ -158,6 +169,18 @@ def spawn(cfg: Config, log_path: str) -> subprocess.Popen[bytes]:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+
+
+@contextlib.contextmanager
+def spawned(cfg: Config, log_path: str) -> Iterator[subprocess.Popen[bytes]]:
+    """:func:`spawn`, killed on exit if it is still running (a test that failed early)."""
+    proc = spawn(cfg, log_path)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @contextlib.asynccontextmanager

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaProducer
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from service.stream import ledger
@@ -52,22 +52,12 @@ class GatedProcessor:
         raise AssertionError("no record here becomes a stub")
 
 
-async def committed(bootstrap: str, group: str, tp: TopicPartition) -> OffsetAndMetadata | None:
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group)
-    await consumer.start()
-    try:
-        found = await consumer._coordinator.fetch_committed_offsets([tp])
-        return found.get(tp)
-    finally:
-        await consumer.stop()
-
-
 async def until_committed(
     bootstrap: str, group: str, tp: TopicPartition, offset: int
 ) -> OffsetAndMetadata:
     found = None
     for _ in range(100):
-        found = await committed(bootstrap, group, tp)
+        found = await e2e.committed(bootstrap, group, tp)
         if found is not None and found.offset == offset:
             return found
         await asyncio.sleep(0.1)
@@ -134,7 +124,7 @@ async def test_stuck_records_past_the_metadata_limit_publish_nothing_twice(
     assert {v: n for v, n in published.items() if n > 1} == {}
     assert moved.metadata == "crs1:1:"
     assert sorted(published) == [b"v%02d" % o for o in range(len(keys))]
-    assert await committed(bootstrap, group, tp) == OffsetAndMetadata(len(keys), "")
+    assert await e2e.committed(bootstrap, group, tp) == OffsetAndMetadata(len(keys), "")
 
 
 async def test_a_member_whose_partitions_are_all_full_stays_in_the_group(

@@ -35,18 +35,15 @@ async def test_sigterm_during_a_start_up_stuck_on_kafka_ends_it_at_once(
     topics = {"input": "never-in", "output": "never-out", "dlq": "never-dlq"}
     cfg = e2e.config(devstack, topics, KAFKA_BOOTSTRAP_SERVERS=f"127.0.0.1:{port}")
     log = tmp_path / "service.log"
-    proc = e2e.spawn(cfg, str(log))
     try:
-        await asyncio.sleep(4)  # well into the start-up, waiting on the silent broker
-        assert proc.poll() is None, log.read_text()[-2000:]
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        code = await asyncio.to_thread(proc.wait, 30)
-        took = time.monotonic() - sent
+        with e2e.spawned(cfg, str(log)) as proc:
+            await asyncio.sleep(4)  # well into the start-up, waiting on the silent broker
+            assert proc.poll() is None, log.read_text()[-2000:]
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(proc.wait, 30)
+            took = time.monotonic() - sent
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
         silent.close()
     text = log.read_text()
     assert code == 0, text[-2000:]
@@ -61,13 +58,8 @@ async def test_an_http_address_not_on_this_host_exits_at_once_as_configuration(
     topics = {"input": "never-in", "output": "never-out", "dlq": "never-dlq"}
     cfg = e2e.config(devstack, topics, CRS_HTTP_HOST="192.0.2.1")
     log = tmp_path / "service.log"
-    proc = e2e.spawn(cfg, str(log))
-    try:
+    with e2e.spawned(cfg, str(log)) as proc:
         code = await asyncio.to_thread(proc.wait, 60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     text = log.read_text()
     assert code == 1, text[-2000:]
     assert "startup_failed" in text
@@ -99,11 +91,10 @@ async def test_probes_answer_while_the_start_up_is_retried(
         CRS_RETRY_BACKOFF_MAX_S="5",
     )
     log = tmp_path / "service.log"
-    proc = e2e.spawn(cfg, str(log))
     base = f"http://127.0.0.1:{http_port}"
     alive: list[int | None] = []
     ready: list[tuple[int, str]] = []
-    try:
+    with e2e.spawned(cfg, str(log)) as proc:
         async with aiohttp.ClientSession() as http:
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and proc.poll() is None:
@@ -117,10 +108,6 @@ async def test_probes_answer_while_the_start_up_is_retried(
                 await asyncio.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         code = await asyncio.to_thread(proc.wait, 30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     text = log.read_text()
     assert code == 0, text[-2000:]
     assert text.count("startup_retrying") >= 2, text[-2000:]

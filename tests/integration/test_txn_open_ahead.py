@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaProducer
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from service.stream.codec import InputRef
@@ -27,16 +27,6 @@ from tests import e2e
 from tests.conftest import DevStack
 
 pytestmark = pytest.mark.integration
-
-
-async def committed(bootstrap: str, group: str, tp: TopicPartition) -> OffsetAndMetadata | None:
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group)
-    await consumer.start()
-    try:
-        found = await consumer._coordinator.fetch_committed_offsets([tp])
-        return found.get(tp)
-    finally:
-        await consumer.stop()
 
 
 async def test_the_broker_keeps_the_last_offset_of_a_transaction_and_none_of_an_abort(
@@ -56,12 +46,12 @@ async def test_the_broker_keeps_the_last_offset_of_a_transaction_and_none_of_an_
         await (await producer.send(out, b"one"))
         await producer.send_offsets_to_transaction({tp: OffsetAndMetadata(3, "crs1:2:")}, group)
         await producer.commit_transaction()
-        assert await committed(bootstrap, group, tp) == OffsetAndMetadata(3, "crs1:2:")
+        assert await e2e.committed(bootstrap, group, tp) == OffsetAndMetadata(3, "crs1:2:")
         # Opened ahead, nothing decided: aborted, nothing of it committed.
         await producer.begin_transaction()
         await producer.send_offsets_to_transaction({tp: OffsetAndMetadata(9, "")}, group)
         await producer.abort_transaction()
-        assert await committed(bootstrap, group, tp) == OffsetAndMetadata(3, "crs1:2:")
+        assert await e2e.committed(bootstrap, group, tp) == OffsetAndMetadata(3, "crs1:2:")
     finally:
         await producer.stop()
     assert [r.value for r in await e2e.read_all(bootstrap, out, 1)] == [b"one"]
@@ -116,7 +106,7 @@ async def test_records_that_wait_are_committed_in_transactions_opened_ahead(
         await asyncio.wait_for(run, 30)
         await service.close()
     for p in (0, 1):
-        found = await committed(bootstrap, group, TopicPartition(source, p))
+        found = await e2e.committed(bootstrap, group, TopicPartition(source, p))
         assert found is not None
         assert found.offset == 20  # each partition's 20 records (offsets 0-19) committed
     ahead = metrics.opened_ahead
