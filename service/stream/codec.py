@@ -31,8 +31,10 @@ case-insensitively (the same VM in a different spelling is not an inconsistency)
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import re
 import reprlib
 import uuid
 from collections.abc import Mapping, Sequence
@@ -261,7 +263,41 @@ def _decode_structured(value: bytes) -> InputEvent:
     try:
         return _INPUT_DECODER.decode(value)
     except _DECODE_FAILURES as exc:
+        fixed = _surrogates_replaced(value)
+        if fixed is not None:
+            with contextlib.suppress(*_DECODE_FAILURES):
+                return _INPUT_DECODER.decode(fixed)
         raise _classify_failure(value, exc, binary=False) from None
+
+
+# A \uD800-\uDFFF escape: half of a UTF-16 surrogate pair (a pre-check; pairs match too).
+_SURROGATE_ESCAPE: Final = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")
+
+
+def _surrogates_replaced(value: bytes) -> bytes | None:
+    """``value`` with each lone UTF-16 surrogate escape read as U+FFFD, as Go's
+    encoding/json reads it (Python's json.dumps writes one for a string holding a lone
+    surrogate; msgspec refuses the document). None when there is none, or on any doubt:
+    the error path then classifies the original. Runs only after a failed decode."""
+    if not _SURROGATE_ESCAPE.search(value):
+        return None
+    try:
+        doc = json.loads(value.decode("utf-8"), parse_constant=_not_json_constant)
+        fixed = _replace_surrogates(doc)
+        return json.dumps(fixed, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (ValueError, RecursionError):
+        return None
+
+
+def _replace_surrogates(doc: Any) -> Any:
+    if isinstance(doc, str):
+        return _SURROGATE.sub("\ufffd", doc)
+    if isinstance(doc, list):
+        return [_replace_surrogates(item) for item in doc]
+    if isinstance(doc, dict):
+        return {_SURROGATE.sub("\ufffd", k): _replace_surrogates(v) for k, v in doc.items()}
+    return doc
 
 
 def _classify_failure(value: bytes, exc: BaseException, *, binary: bool) -> Poison:
@@ -339,7 +375,13 @@ def _decode_binary(value: bytes, attrs: Mapping[str, str]) -> InputEvent:
     try:
         data = _DATA_DECODER.decode(value)
     except _DECODE_FAILURES as exc:
-        raise _classify_failure(value, exc, binary=True) from None
+        fixed = _surrogates_replaced(value)
+        if fixed is None:
+            raise _classify_failure(value, exc, binary=True) from None
+        try:
+            data = _DATA_DECODER.decode(fixed)
+        except _DECODE_FAILURES:
+            raise _classify_failure(value, exc, binary=True) from None
     return InputEvent(
         specversion=SPECVERSION,
         id=event_id,

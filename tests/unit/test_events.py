@@ -193,6 +193,29 @@ def test_headers_the_decoder_does_not_read_cannot_poison_a_record(structured: by
     assert decode_input(value, binary, max_bytes=MAX).id == "ev-1"
 
 
+def test_a_lone_surrogate_escape_reads_as_the_replacement_character(structured: bytes) -> None:
+    # Go's encoding/json reads a lone UTF-16 surrogate escape (what Python's json.dumps
+    # writes for such a string) as U+FFFD and goes on; msgspec refuses the document.
+    doc = envelope(structured)
+    doc["data"]["request"]["spec"]["nova_object.data"]["availability_zone"] = "az-\ud800"
+    text = json.dumps(doc)
+    assert "\\ud800" in text
+    event = decode_input(text.encode(), None, max_bytes=MAX)
+    assert event.id == "ev-1"
+    doc["id"] = "ev-\udc00x"  # a lone low surrogate in a field that is read
+    assert decode_input(json.dumps(doc).encode(), None, max_bytes=MAX).id == "ev-\ufffdx"
+    pair = json.dumps("\U0001f600")  # a proper pair is one character, unchanged
+    doc["id"] = "ev"
+    assert (
+        decode_input(json.dumps(doc).replace('"ev"', pair).encode(), None, max_bytes=MAX).id
+        == "\U0001f600"
+    )
+    data = envelope(structured)["data"]  # binary mode: the value is the data alone
+    data["request"]["spec"]["nova_object.data"]["availability_zone"] = "az-\ud800"
+    value, headers, _ = binary_with(value=json.dumps(data).encode())(structured)
+    assert decode_input(value, headers, max_bytes=MAX).id == "ev-1"
+
+
 def test_subject_and_key_compare_case_insensitively(structured: bytes) -> None:
     doc = envelope(structured)
     doc["subject"] = INSTANCE.upper()
