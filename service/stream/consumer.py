@@ -311,6 +311,8 @@ class StreamService:
         # Offsets whose output the broker refused as too large: replaced by a stub dead
         # letter from then on, across re-acquisitions (reprocessing would refuse again).
         self._oversized: dict[TopicPartition, set[int]] = {}
+        # Offsets whose outputs the broker refused in a batch of several: sent alone next.
+        self._alone: dict[TopicPartition, set[int]] = {}
         self._stopping = asyncio.Event()
         self._capacity = asyncio.Event()  # a backpressured partition has room again
         self._background: set[asyncio.Task[Any]] = set()
@@ -746,9 +748,24 @@ class StreamService:
             await asyncio.wait_for(self._send(part, plan), self._s.commit_timeout_s)
         except _Rejected as rejected:
             stubbed = self._oversized.setdefault(tp, set())
-            if isinstance(rejected.error, (*_TOO_LARGE, *_INVALID)) and stubbed.isdisjoint(
-                rejected.offsets
-            ):
+            alone = self._alone.setdefault(tp, set())
+            refused = isinstance(rejected.error, (*_TOO_LARGE, *_INVALID))
+            if refused and len(rejected.offsets) > 1 and not alone.issuperset(rejected.offsets):
+                # The broker judges a whole record batch against the topic's
+                # max.message.bytes, and aiokafka batches a transaction's outputs to one
+                # partition without splitting a refused batch: outputs that each fit may
+                # be refused together. Taken over again, they are sent one by one, and
+                # only one refused alone is replaced by a stub.
+                alone.update(rejected.offsets)
+                log.warning(
+                    "records_rejected_sending_alone",
+                    topic=tp.topic,
+                    partition=tp.partition,
+                    offsets=rejected.offsets[:20],
+                    error=repr(rejected.error)[:200],
+                )
+                self._reacquire(part, delay=0.0, reason="batch_too_large")
+            elif refused and stubbed.isdisjoint(rejected.offsets):
                 stubbed.update(rejected.offsets)
                 self._metrics.commit_failures.labels("record_too_large").inc()
                 log.warning(
@@ -815,7 +832,10 @@ class StreamService:
                 # produced, the group; one round trip fewer than offsets first (4
                 # sequential requests instead of 5: a quiet partition's output is
                 # committed that much sooner).
-                pending = await self._enqueue(producer, plan)
+                alone = self._alone.get(tp, set())
+                pending = await self._enqueue(
+                    producer, plan, alone=any(o in alone for o, _ in plan.items)
+                )
                 try:
                     if offered != (plan.offset, plan.metadata):
                         await producer.send_offsets_to_transaction(offsets, self._s.group_id)
@@ -835,8 +855,14 @@ class StreamService:
             await (await self._enqueue(self._shared_producer, plan)).settle()
             await self._consumer.commit(offsets)
 
-    async def _enqueue(self, producer: Any, plan: CommitPlan[_Done]) -> _Deliveries:
-        """Hand every output of ``plan`` to the producer; their deliveries to settle."""
+    async def _enqueue(
+        self, producer: Any, plan: CommitPlan[_Done], *, alone: bool = False
+    ) -> _Deliveries:
+        """Hand every output of ``plan`` to the producer; their deliveries to settle.
+
+        ``alone``: each output is delivered (or refused) before the next is sent, so each
+        is a record batch of its own (see _commit_locked: the broker judges batches).
+        """
         deliveries = _Deliveries()
         for offset, done in plan.items:
             r = done.out
@@ -846,6 +872,8 @@ class StreamService:
                 deliveries.refused(offset, exc)
             else:
                 deliveries.futures.append((offset, future))
+                if alone:
+                    await asyncio.wait([future])
         return deliveries
 
     def _commit_failed(self, part: _Partition, exc: BaseException) -> None:
@@ -906,6 +934,7 @@ class StreamService:
             self._stalled.pop(tp, None)
             self._failures.pop(tp, None)
             self._oversized.pop(tp, None)
+            self._alone.pop(tp, None)
             self._metrics.forget_partition(tp.topic, tp.partition)
         self._metrics.assigned.set(len(self._assigned))
         log.info("partitions_revoked", partitions=sorted(tp.partition for tp in revoked))
