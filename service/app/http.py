@@ -63,8 +63,10 @@ class HttpServer:
             await self._runner.cleanup()
             # An address that is not this host's or does not resolve is a setting no
             # retry fixes (start-up retries OSErrors: a server briefly away); a port in
-            # use may be freed by a process still exiting, so that one stays an OSError.
-            if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+            # use may be freed by a process still exiting, and a name server may answer
+            # "try again" (EAI_AGAIN): those stay OSErrors.
+            unresolvable = isinstance(exc, socket.gaierror) and exc.errno != socket.EAI_AGAIN
+            if unresolvable or exc.errno == errno.EADDRNOTAVAIL:
                 raise ConfigError(
                     f"CRS_HTTP_HOST={self._host!r}: cannot listen there ({exc.strerror or exc})"
                 ) from exc

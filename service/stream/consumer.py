@@ -98,6 +98,11 @@ _AUTHZ = (
 )
 
 
+# How a partition that could not be taken over is reported stalled (cleared by the take-over
+# that succeeds; a stall of its commits is cleared only by a commit).
+_TAKE_OVER_FAILED = "cannot take partition over"
+
+
 def transactional_id_for(prefix: str, tp: TopicPartition) -> str:
     """The transactional.id bound to input partition ``tp`` (the ACL prefix is ``prefix``)."""
     return f"{prefix}-{tp.topic}-{tp.partition}"
@@ -167,10 +172,11 @@ class _Done:
 class _Rejected(Exception):
     """The broker refused some records of a commit; ``offsets`` are their inputs."""
 
-    def __init__(self, offsets: list[int], error: BaseException) -> None:
+    def __init__(self, offsets: list[int], error: BaseException, *, alone: bool) -> None:
         super().__init__(f"{len(offsets)} record(s) rejected: {error!r}")
         self.offsets = offsets
         self.error = error
+        self.alone = alone  # each output was a record batch of its own
 
 
 class _Deliveries:
@@ -181,12 +187,13 @@ class _Deliveries:
     offset is committed).
     """
 
-    __slots__ = ("error", "futures", "rejected")
+    __slots__ = ("alone", "error", "futures", "rejected")
 
-    def __init__(self) -> None:
+    def __init__(self, *, alone: bool = False) -> None:
         self.futures: list[tuple[int, Any]] = []
         self.rejected: list[int] = []
         self.error: BaseException | None = None
+        self.alone = alone
 
     def refused(self, offset: int, error: BaseException) -> None:
         self.rejected.append(offset)
@@ -204,7 +211,7 @@ class _Deliveries:
                     raise res
         if self.rejected:
             assert self.error is not None
-            raise _Rejected(self.rejected, self.error)
+            raise _Rejected(self.rejected, self.error, alone=self.alone)
 
     def abandon(self) -> None:
         """The commit failed before its deliveries were awaited: their outcome no longer
@@ -748,15 +755,14 @@ class StreamService:
             await asyncio.wait_for(self._send(part, plan), self._s.commit_timeout_s)
         except _Rejected as rejected:
             stubbed = self._oversized.setdefault(tp, set())
-            alone = self._alone.setdefault(tp, set())
             refused = isinstance(rejected.error, (*_TOO_LARGE, *_INVALID))
-            if refused and len(rejected.offsets) > 1 and not alone.issuperset(rejected.offsets):
+            if refused and len(rejected.offsets) > 1 and not rejected.alone:
                 # The broker judges a whole record batch against the topic's
                 # max.message.bytes, and aiokafka batches a transaction's outputs to one
                 # partition without splitting a refused batch: outputs that each fit may
                 # be refused together. Taken over again, they are sent one by one, and
                 # only one refused alone is replaced by a stub.
-                alone.update(rejected.offsets)
+                self._alone.setdefault(tp, set()).update(rejected.offsets)
                 log.warning(
                     "records_rejected_sending_alone",
                     topic=tp.topic,
@@ -852,7 +858,11 @@ class StreamService:
             if ahead is not None:
                 self._metrics.opened_ahead.labels("committed").inc()
         else:
-            await (await self._enqueue(self._shared_producer, plan)).settle()
+            alone = self._alone.get(tp, set())
+            sent = await self._enqueue(
+                self._shared_producer, plan, alone=any(o in alone for o, _ in plan.items)
+            )
+            await sent.settle()
             await self._consumer.commit(offsets)
 
     async def _enqueue(
@@ -863,7 +873,7 @@ class StreamService:
         ``alone``: each output is delivered (or refused) before the next is sent, so each
         is a record batch of its own (see _commit_locked: the broker judges batches).
         """
-        deliveries = _Deliveries()
+        deliveries = _Deliveries(alone=alone)
         for offset, done in plan.items:
             r = done.out
             try:
@@ -978,7 +988,7 @@ class StreamService:
                 authz = isinstance(exc, _AUTHZ)
                 delay = self._s.retry_backoff_max_s if authz else self._backoff(attempt)
                 if authz or attempt >= 3:
-                    self._mark_stalled(tp, f"cannot take partition over: {type(exc).__name__}")
+                    self._mark_stalled(tp, f"{_TAKE_OVER_FAILED}: {type(exc).__name__}")
                 log.warning(
                     "partition_acquire_failed",
                     topic=tp.topic,
@@ -1012,7 +1022,8 @@ class StreamService:
         self._parts[tp] = part
         if start is not None:
             self._committed[tp] = start
-        if self._stalled.pop(tp, None) is not None:  # failed take-overs before this one
+        if self._stalled.get(tp, "").startswith(_TAKE_OVER_FAILED):  # failed take-overs
+            del self._stalled[tp]
             self._metrics.stalled.labels(tp.topic, str(tp.partition)).set(0)
         await self._initial_lag(tp, start or 0)
         consumer.resume(tp)
@@ -1048,13 +1059,18 @@ class StreamService:
         # commit cut short closes its partition (see _commit_locked): the next owner
         # starts from whatever the broker has.
         commits = [asyncio.create_task(self._last_commit(p)) for p in parts if not p.closed]
-        if commits:
-            _, late = await asyncio.wait(commits, timeout=commit_s)
-            if late:
-                log.warning("release_commit_cut_short", partitions=len(late))
-                for task in late:
-                    task.cancel()
-                await asyncio.wait(late)
+        try:
+            if commits:
+                _, late = await asyncio.wait(commits, timeout=commit_s)
+                if late:
+                    log.warning("release_commit_cut_short", partitions=len(late))
+        finally:
+            # Cut short by the bound, or this release cancelled (the shutdown budget):
+            # the commits end too, each closing its partition (see _commit_locked).
+            for task in commits:
+                task.cancel()
+            if any(not task.done() for task in commits):
+                await asyncio.wait(commits)
         await asyncio.gather(*(self._drop(part) for part in parts))
         log.info(
             "partitions_released",

@@ -9,6 +9,7 @@ on commit. The same behaviours run on the real broker in tests/integration
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -638,6 +639,45 @@ async def test_an_oversized_record_without_a_key_is_not_parsed_for_its_lane(
     await until(lambda: len(outputs(broker)) == 2)
     await h.stop()
     assert parsed == [len(small)]
+
+
+async def test_a_take_over_clears_a_take_over_stall_but_not_a_commit_stall(
+    broker: FakeBroker,
+) -> None:
+    # A partition whose commits keep failing is re-acquired after each failure; the
+    # take-over succeeding says nothing about the commits, so readiness stays failed.
+    h = Harness(broker)
+    await h.start(TP0)
+    await until(lambda: TP0 in h.service._parts)
+    h.service._mark_stalled(TP0, "commit failing: KafkaConnectionError")
+    h.service._parts.pop(TP0)
+    await h.service._acquire(TP0)
+    assert h.service.stalled() == {TP0: "commit failing: KafkaConnectionError"}
+    await h.stop()
+
+
+async def test_a_release_cancelled_mid_commit_leaves_no_commit_running(
+    broker: FakeBroker,
+) -> None:
+    # The shutdown budget cancels run() while its release waits for a hanging commit:
+    # the release's own commit tasks must end with it, not go on beside close().
+    h = Harness(broker)
+    await h.start(TP0)
+    await until(lambda: TP0 in h.service._parts)
+    part = h.service._parts[TP0]
+    broker.commit_delay_s = 1.0
+    broker.append(IN, 0, b"k", b"v")
+    await until(lambda: "commit" in part.producer.calls)
+    h.service.request_stop()
+    await asyncio.sleep(0.1)  # run() is releasing: its commit waits for the hanging one
+    assert h.task is not None
+    h.task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await h.task
+    await asyncio.sleep(0)
+    running = [t for t in asyncio.all_tasks() if "_last_commit" in repr(t.get_coro())]
+    assert running == []
+    await h.service.close()
 
 
 async def test_key_concurrency_is_bounded(broker: FakeBroker) -> None:
