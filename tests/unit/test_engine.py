@@ -116,6 +116,11 @@ class Harness:
         await self.consumer.assign(list(tps))
         self.task = asyncio.create_task(self.service.run())
 
+    async def part(self, tp: TopicPartition = TP0) -> Any:
+        """``tp``'s partition state, once it has been taken over."""
+        await until(lambda: tp in self.service._parts)
+        return self.service._parts[tp]
+
     async def stop(self) -> None:
         self.service.request_stop()
         assert self.task is not None
@@ -294,7 +299,7 @@ async def test_a_quiet_partition_commits_a_burst_at_once_then_is_paced(
 async def test_fetch_linger_paces_fetches_that_bring_records_only(broker: FakeBroker) -> None:
     h = Harness(broker, fetch_linger_ms=150)
     await h.start(TP0)
-    await until(lambda: TP0 in h.service._parts)
+    await h.part()
     for i in range(3):  # each fetch brings one record: the next waits out the linger
         broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
         await until(lambda n=i + 1: len(outputs(broker)) == n, limit_s=2)  # type: ignore[misc]
@@ -368,8 +373,7 @@ async def test_transactional_producers_get_the_short_retry_backoff(broker: FakeB
     # aiokafka's default (100 ms) made each back-to-back transaction take 100 ms.
     h = Harness(broker, txn_retry_backoff_ms=7)
     await h.start(TP0)
-    await until(lambda: TP0 in h.service._parts)
-    assert h.service._parts[TP0].producer.kwargs["retry_backoff_ms"] == 7
+    assert (await h.part()).producer.kwargs["retry_backoff_ms"] == 7
     # and Kafka's default key hashing, computed faster (service.stream.partitioner)
     assert h.service._parts[TP0].producer.kwargs["partitioner"] is partition_for_key
     await h.stop()
@@ -428,8 +432,7 @@ async def test_a_cancelled_re_acquisition_stops_and_still_closes_the_producer(
     # partition over a second time (fencing the live take-over).
     h = Harness(broker)
     await h.start(TP0)
-    await until(lambda: TP0 in h.service._parts)
-    part = h.service._parts[TP0]
+    part = await h.part()
     release = asyncio.Event()
 
     async def worker() -> None:  # ends a moment after it is cancelled, as a PATCH does
@@ -548,7 +551,7 @@ async def test_close_leaves_the_group_even_when_its_last_commit_is_cut_short(
     # trouble; the consumer must still be stopped (LeaveGroup: partitions move at once).
     h = Harness(broker, commit_timeout_s=30.0)
     await h.start(TP0)
-    await until(lambda: TP0 in h.service._parts)
+    await h.part()
     broker.commit_delay_s = 60.0
     broker.append(IN, 0, b"k", b"v")
     await until(lambda: "commit" in h.service._parts[TP0].producer.calls)
@@ -565,8 +568,7 @@ async def test_a_commit_cut_short_is_never_committed_again(broker: FakeBroker) -
     # the partition must not commit the same outputs again when it is released.
     h = Harness(broker)
     await h.start(TP0)
-    await until(lambda: TP0 in h.service._parts)
-    part = h.service._parts[TP0]
+    part = await h.part()
     broker.commit_delay_s = 0.2
     broker.append(IN, 0, b"k", b"v")
     await until(lambda: "commit" in part.producer.calls)
@@ -584,8 +586,7 @@ async def test_a_revoke_bounds_its_last_commits_and_commits_nothing_twice(
     # hold it for commit_timeout_s each, one partition after the other.
     h = Harness(broker, revoke_wait_s=0.1, revoke_commit_s=0.2, commit_timeout_s=30.0)
     await h.start(TP0, TP1)
-    await until(lambda: TP0 in h.service._parts and TP1 in h.service._parts)
-    parts = [h.service._parts[TP0], h.service._parts[TP1]]
+    parts = [await h.part(TP0), await h.part(TP1)]
     broker.commit_delay_s = 1.0
     broker.append(IN, 0, b"k", b"v0")
     broker.append(IN, 1, b"k", b"v1")
@@ -609,7 +610,7 @@ async def test_a_partition_taken_over_after_failures_is_no_longer_reported_stall
     h = Harness(broker)
     broker.fail_inits = 3
     await h.start(TP0)
-    await until(lambda: TP0 in h.service._parts)
+    await h.part()
     assert h.service.stalled() == {}
     value = h.metrics.stalled.labels(IN, "0")._value.get()
     assert value == 0
@@ -648,7 +649,7 @@ async def test_a_take_over_clears_a_take_over_stall_but_not_a_commit_stall(
     # take-over succeeding says nothing about the commits, so readiness stays failed.
     h = Harness(broker)
     await h.start(TP0)
-    await until(lambda: TP0 in h.service._parts)
+    await h.part()
     h.service._mark_stalled(TP0, "commit failing: KafkaConnectionError")
     h.service._parts.pop(TP0)
     await h.service._acquire(TP0)
@@ -663,8 +664,7 @@ async def test_a_release_cancelled_mid_commit_leaves_no_commit_running(
     # the release's own commit tasks must end with it, not go on beside close().
     h = Harness(broker)
     await h.start(TP0)
-    await until(lambda: TP0 in h.service._parts)
-    part = h.service._parts[TP0]
+    part = await h.part()
     broker.commit_delay_s = 1.0
     broker.append(IN, 0, b"k", b"v")
     await until(lambda: "commit" in part.producer.calls)
@@ -843,8 +843,7 @@ async def one_waiting_record(
     gate = h.processor.gates[value] = asyncio.Event()
     broker.append(IN, 0, key, value)
     await h.start(TP0)
-    await until(lambda: TP0 in h.service._parts)
-    producer: FakeProducer = h.service._parts[TP0].producer
+    producer: FakeProducer = (await h.part()).producer
     await until(lambda: producer.calls == ["begin", "offsets"])
     return h, gate, producer
 
