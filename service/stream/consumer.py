@@ -838,10 +838,7 @@ class StreamService:
                 # produced, the group; one round trip fewer than offsets first (4
                 # sequential requests instead of 5: a quiet partition's output is
                 # committed that much sooner).
-                alone = self._alone.get(tp, set())
-                pending = await self._enqueue(
-                    producer, plan, alone=any(o in alone for o, _ in plan.items)
-                )
+                pending = await self._enqueue(producer, tp, plan)
                 try:
                     if offered != (plan.offset, plan.metadata):
                         await producer.send_offsets_to_transaction(offsets, self._s.group_id)
@@ -858,21 +855,21 @@ class StreamService:
             if ahead is not None:
                 self._metrics.opened_ahead.labels("committed").inc()
         else:
-            alone = self._alone.get(tp, set())
-            sent = await self._enqueue(
-                self._shared_producer, plan, alone=any(o in alone for o, _ in plan.items)
-            )
-            await sent.settle()
+            await (await self._enqueue(self._shared_producer, tp, plan)).settle()
             await self._consumer.commit(offsets)
 
     async def _enqueue(
-        self, producer: Any, plan: CommitPlan[_Done], *, alone: bool = False
+        self, producer: Any, tp: TopicPartition, plan: CommitPlan[_Done]
     ) -> _Deliveries:
-        """Hand every output of ``plan`` to the producer; their deliveries to settle.
+        """Hand every output of ``plan`` (of input partition ``tp``) to the producer;
+        their deliveries to settle.
 
-        ``alone``: each output is delivered (or refused) before the next is sent, so each
-        is a record batch of its own (see _commit_locked: the broker judges batches).
+        When the plan holds an output the broker refused in a batch of several, each
+        output is delivered (or refused) before the next is sent, so each is a record
+        batch of its own (see _commit_locked: the broker judges batches).
         """
+        sent_alone = self._alone.get(tp, set())
+        alone = any(o in sent_alone for o, _ in plan.items)
         deliveries = _Deliveries(alone=alone)
         for offset, done in plan.items:
             r = done.out
