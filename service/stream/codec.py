@@ -40,7 +40,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import msgspec
 
@@ -179,6 +179,8 @@ def _quote(found: object) -> str:
         return f"<{type(found).__name__}>"
 
 
+_T = TypeVar("_T")
+
 _INPUT_DECODER: Final = msgspec.json.Decoder(InputEvent)
 _DATA_DECODER: Final = msgspec.json.Decoder(OutcomeData)
 _ENCODER: Final = msgspec.json.Encoder()
@@ -260,14 +262,20 @@ _DECODE_FAILURES: Final = (msgspec.DecodeError, UnicodeDecodeError, RecursionErr
 
 
 def _decode_structured(value: bytes) -> InputEvent:
+    return _typed_decode(_INPUT_DECODER, value, binary=False)
+
+
+def _typed_decode(decoder: msgspec.json.Decoder[_T], value: bytes, *, binary: bool) -> _T:
+    """``value`` decoded by ``decoder``; a failure becomes the most useful Poison. A
+    document msgspec refuses only for a lone surrogate escape is read as Go reads it."""
     try:
-        return _INPUT_DECODER.decode(value)
+        return decoder.decode(value)
     except _DECODE_FAILURES as exc:
         fixed = _surrogates_replaced(value)
         if fixed is not None:
             with contextlib.suppress(*_DECODE_FAILURES):
-                return _INPUT_DECODER.decode(fixed)
-        raise _classify_failure(value, exc, binary=False) from None
+                return decoder.decode(fixed)
+        raise _classify_failure(value, exc, binary=binary) from None
 
 
 # A \uD800-\uDFFF escape: half of a UTF-16 surrogate pair (a pre-check; pairs match too).
@@ -372,16 +380,7 @@ def _decode_binary(value: bytes, attrs: Mapping[str, str]) -> InputEvent:
             time = msgspec.convert(attrs["ce_time"], Timestamp)
         except msgspec.ValidationError as exc:
             raise Poison(PoisonCode.INVALID_EVENT, f"header ce_time: {exc}") from None
-    try:
-        data = _DATA_DECODER.decode(value)
-    except _DECODE_FAILURES as exc:
-        fixed = _surrogates_replaced(value)
-        if fixed is None:
-            raise _classify_failure(value, exc, binary=True) from None
-        try:
-            data = _DATA_DECODER.decode(fixed)
-        except _DECODE_FAILURES:
-            raise _classify_failure(value, exc, binary=True) from None
+    data = _typed_decode(_DATA_DECODER, value, binary=True)
     return InputEvent(
         specversion=SPECVERSION,
         id=event_id,
