@@ -97,13 +97,10 @@ class Ledger(Generic[T]):
         self._low = start
         self._high: int | None = None  # highest offset done (restored or completed)
         self._restored_open: list[int] = []  # restored open offsets not yet received
-        # The highest offset the last commit recorded as done above its watermark (None:
-        # nothing above it). Whatever a later commit writes must still say so.
-        self._committed_high: int | None = None
         if start is not None:
             high, opens = decode_metadata(start, metadata)
             if high is not None:
-                self._high = self._committed_high = high
+                self._high = high
                 self._restored_open = [start, *opens]
         self._pending: dict[int, None] = {}  # received, not done (insertion = offset order)
         self._done: list[tuple[int, T]] = []  # done, not yet committed
@@ -201,7 +198,9 @@ class Ledger(Generic[T]):
         metadata = encode_metadata(low, high, self._open_below(high)) if high is not None else ""
         items = list(self._done)
         if len(metadata) > MAX_METADATA_CHARS:
-            kept = self._committed_high
+            # The highest offset the last commit recorded as done above its watermark:
+            # whatever this commit writes must still say so.
+            kept = decode_metadata(*self._last)[0] if self._last is not None else None
             if kept is None or kept <= low:
                 items = [(o, p) for o, p in self._done if o < low]
                 metadata = ""
@@ -219,4 +218,3 @@ class Ledger(Generic[T]):
         done = {o for o, _ in plan.items}
         self._done = [(o, p) for o, p in self._done if o not in done]
         self._last = (plan.offset, plan.metadata)
-        self._committed_high = decode_metadata(plan.offset, plan.metadata)[0]
