@@ -137,10 +137,10 @@ class Recorder:
         self._random = random.Random()
         self._flavor_groups = _FlavorGroupsMemo()
         self._serialize = serialize_per_host
-        # Weak values: a host's lock lives only while a placement holds or awaits it.
         # Hosts onto which a write ended without an answer (timed out, cancelled): it
         # may have landed, and a watch-cache snapshot may not show it yet.
         self._unsettled_hosts: set[str] = set()
+        # Weak values: a host's lock lives only while a placement holds or awaits it.
         self._host_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = (
             weakref.WeakValueDictionary()
         )
