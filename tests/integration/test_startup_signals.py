@@ -112,6 +112,10 @@ async def test_probes_answer_while_the_start_up_is_retried(
     assert code == 0, text[-2000:]
     assert text.count("startup_retrying") >= 2, text[-2000:]
     assert len(alive) > 30
-    assert alive[5:] == [200] * len(alive[5:]), alive  # after the first second: always up
+    # Up once the interpreter has started (a few seconds at most on a busy machine), then
+    # answered on every probe through the retries.
+    first = alive.index(200)
+    assert first < 50, alive  # within 10 s of polling
+    assert alive[first:] == [200] * len(alive[first:]), alive
     assert all(status == 503 for status, _ in ready)
     assert any("KafkaConnectionError" in detail for _, detail in ready), ready[-3:]
