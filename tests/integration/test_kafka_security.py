@@ -222,3 +222,61 @@ async def test_without_any_one_acl_check_names_it_and_run_refuses_to_start(
     assert "startup_failed" in run_out
     assert str(missing) in run_out
     assert "service_started" not in run_out
+
+
+async def test_a_stop_ends_the_back_off_after_a_fetch_refused_by_a_revoked_acl(
+    secure_kafka: SecureKafka,
+    devstack: DevStack,
+    clean_k8s: Any,
+    topics: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """The input topic's Read ACL revoked under a running replica: its fetches fail and it
+    waits the longest back-off (CRS_RETRY_BACKOFF_MAX_S, here 60 s) between them, saying
+    why. SIGTERM must end that wait at once, not after the shutdown budget's share for
+    finishing work (21 of the default 30 s), which a kubelet would cut with SIGKILL."""
+    env = {
+        **service_env(secure_kafka, "sasl", topics, devstack),
+        "CRS_RETRY_BACKOFF_MAX_S": "60",
+        "CRS_LIVENESS_BOUND_S": "120",
+    }
+    acls = required_acls(Config.load(env=env))
+    who = principal(secure_kafka, "sasl")
+    read_input = [a for a in acls if a.resource_type == "Topic" and a.name == topics["input"]]
+    assert [a.operation for a in read_input] == ["Read"], acls
+    await secure_kafka.grant(who, acls)
+    log = tmp_path / "service.log"
+    try:
+        await e2e.seed_region(clean_k8s)
+        service = crs("run", env, log)
+        try:
+            # One event through: the replica is in its group and fetching.
+            vm, decision, request = e2e.outcome(None, ["hv-3"], project="p3")
+            await publish_as_admin(
+                secure_kafka, topics["input"], [e2e.good_record(vm, decision, request)]
+            )
+            assert len(await read_as_admin(secure_kafka, topics["output"], 1)) == 1, (
+                log.read_text()[-3000:]
+            )
+            await secure_kafka.revoke(who, read_input)
+            deadline = time.monotonic() + 60
+            while '"event":"fetch_failed"' not in log.read_text(errors="replace"):
+                assert service.poll() is None, log.read_text()[-3000:]
+                assert time.monotonic() < deadline, (
+                    f"no fetch_failed after the revoke\n{log.read_text()[-3000:]}"
+                )
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(1.0)  # well inside the 60 s back-off
+            service.terminate()
+            stopped = time.monotonic()
+            code = await finished(service, 40)
+            took = time.monotonic() - stopped
+        finally:
+            if service.poll() is None:
+                service.kill()
+        text = log.read_text(errors="replace")
+        assert "AuthorizationFailed" in text, text[-3000:]
+        assert took < 10.0, f"stopped {took:.1f} s after SIGTERM\n{text[-3000:]}"
+        assert code == 0, text[-3000:]
+    finally:
+        await secure_kafka.revoke(who, acls)
