@@ -97,7 +97,10 @@ class FakeProducer:
 
         # As aiokafka: the EndTxn is shielded, a cancelled caller stops waiting for it
         # but the commit goes on.
-        await asyncio.shield(end())
+        # (Its outcome is retrieved here so a cancelled caller leaves no stray error.)
+        ending = asyncio.ensure_future(end())
+        ending.add_done_callback(lambda t: t.cancelled() or t.exception())
+        await asyncio.shield(ending)
 
     async def abort_transaction(self) -> None:
         assert self.in_transaction, "no transaction to abort"

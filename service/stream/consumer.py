@@ -320,6 +320,11 @@ class StreamService:
         self._oversized: dict[TopicPartition, set[int]] = {}
         # Offsets whose outputs the broker refused in a batch of several: sent alone next.
         self._alone: dict[TopicPartition, set[int]] = {}
+        # The last commit of a partition that failed without a known outcome (a timeout:
+        # aiokafka shields EndTxn, so it may land after all). Nobody processes those
+        # records again if it landed, so its counts are applied when the take-over finds
+        # exactly its offset and metadata committed (see _acquire).
+        self._unsure: dict[TopicPartition, CommitPlan[_Done]] = {}
         self._stopping = asyncio.Event()
         self._capacity = asyncio.Event()  # a backpressured partition has room again
         self._background: set[asyncio.Task[Any]] = set()
@@ -786,6 +791,8 @@ class StreamService:
                 self._commit_failed(part, rejected.error)
             return False
         except Exception as exc:  # fenced, or broker, network or client trouble
+            if not isinstance(exc, ProducerFenced):
+                self._unsure[tp] = plan
             self._commit_failed(part, exc)
             return False
         except asyncio.CancelledError:
@@ -794,6 +801,7 @@ class StreamService:
             # this part may be committed again; whoever takes the partition over next
             # starts from what the broker has.
             part.closed = True
+            self._unsure[tp] = plan
             raise
         part.ledger.committed(plan)
         if part.ledger.done_uncommitted:  # decided while this commit ran: the next one
@@ -942,6 +950,7 @@ class StreamService:
             self._failures.pop(tp, None)
             self._oversized.pop(tp, None)
             self._alone.pop(tp, None)
+            self._unsure.pop(tp, None)
             self._metrics.forget_partition(tp.topic, tp.partition)
         self._metrics.assigned.set(len(self._assigned))
         log.info("partitions_revoked", partitions=sorted(tp.partition for tp in revoked))
@@ -1003,6 +1012,21 @@ class StreamService:
         metadata = ""
         if found is not None and found.offset >= 0:
             start, metadata = found.offset, found.metadata or ""
+        unsure = self._unsure.pop(tp, None)
+        if unsure is not None and (start, metadata) == (unsure.offset, unsure.metadata):
+            # That commit landed: its records start behind the new position and nobody
+            # counts them unless this does. (A plan always moves the offset or the
+            # metadata, so an older commit never matches; a revoke in between forgets the
+            # plan, since another owner may have committed meanwhile.)
+            deferred.apply(done.counts for _, done in unsure.items)
+            self.processed += len(unsure.items)
+            log.info(
+                "commit_found_landed",
+                topic=tp.topic,
+                partition=tp.partition,
+                committed=start,
+                records=len(unsure.items),
+            )
         if tp not in consumer.assignment():
             if producer is not None:
                 await _close_quietly(producer)

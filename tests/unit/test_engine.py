@@ -579,6 +579,49 @@ async def test_a_commit_cut_short_is_never_committed_again(broker: FakeBroker) -
     assert outputs(broker) == [b"v"]
 
 
+async def test_a_commit_that_timed_out_but_landed_is_counted_once_on_take_over(
+    broker: FakeBroker,
+) -> None:
+    # The commit outlives commit_timeout_s and lands anyway (aiokafka shields EndTxn):
+    # taken over again, the partition starts after those records, so nobody processes
+    # them again, and their counts must be applied then, once, or they are never counted.
+    h = Harness(broker, commit_timeout_s=0.1, retry_backoff_s=0.5, retry_backoff_max_s=0.5)
+    await h.start(TP0)
+    part = await h.part()
+    broker.commit_delay_s = 0.2
+    broker.append(IN, 0, b"k", b"v")
+    await until(lambda: broker.commits == 1)
+    assert h.counted() == 0  # the engine does not know yet
+    broker.commit_delay_s = 0.0
+    await until(lambda: h.service._parts.get(TP0) not in (None, part))  # taken over again
+    await until(lambda: h.counted() == 1)
+    broker.append(IN, 0, b"k", b"w")
+    await until(lambda: len(outputs(broker)) == 2)
+    await h.stop()
+    assert outputs(broker) == [b"v", b"w"]
+    assert h.counted() == 2
+    assert h.processor.calls == [(0, 0), (0, 1)]
+
+
+async def test_a_commit_that_timed_out_and_failed_counts_only_its_redo(
+    broker: FakeBroker,
+) -> None:
+    # The same commit timing out, but refused by the broker in the end: redone, counted once.
+    h = Harness(broker, commit_timeout_s=0.1, retry_backoff_s=0.5, retry_backoff_max_s=0.5)
+    await h.start(TP0)
+    await h.part()
+    broker.commit_delay_s = 0.2
+    broker.fail_commits = 1
+    broker.append(IN, 0, b"k", b"v")
+    await until(lambda: broker.fail_commits == 0)
+    broker.commit_delay_s = 0.0
+    await until(lambda: len(outputs(broker)) == 1)
+    await h.stop()
+    assert outputs(broker) == [b"v"]
+    assert h.counted() == 1
+    assert h.processor.calls == [(0, 0), (0, 0)]
+
+
 async def test_a_revoke_bounds_its_last_commits_and_commits_nothing_twice(
     broker: FakeBroker,
 ) -> None:
