@@ -159,7 +159,7 @@ class StreamMetrics:
         )
         self.lag = Gauge(
             "crs_consumer_lag",
-            "Records between the committed position and the high watermark",
+            "Records between the committed position and the last stable offset",
             ["topic", "partition"],
             registry=r,
         )
@@ -222,7 +222,7 @@ class StreamMetrics:
         )
         self.watch_last_activity = Gauge(
             "crs_watch_last_activity_timestamp_seconds",
-            "Unix time of the last event or bookmark each watch delivered",
+            "Unix time of the last event, bookmark or renewal of each watch",
             ["kind"],
             registry=r,
         )

@@ -742,7 +742,7 @@ def test_kustomize_rolls_the_deployment_when_a_setting_changes(tmp_path: Path) -
     changed = tmp_path / "deploy"
     shutil.copytree(DEPLOY, changed)
     env_file = changed / CONFIG_ENV.name
-    env_file.write_text(env_file.read_text().replace("CRS_MAX_ATTEMPTS=5", "CRS_MAX_ATTEMPTS=6"))
+    env_file.write_text(env_file.read_text().replace("CRS_MAX_ATTEMPTS=20", "CRS_MAX_ATTEMPTS=6"))
     new_name, new_referenced, new_data = built(changed)
     assert new_data["CRS_MAX_ATTEMPTS"] == "6"
     assert new_name != name, "a changed setting must be a new ConfigMap (and pod template)"
@@ -936,3 +936,56 @@ def test_compose_publishes_ports_on_loopback_only() -> None:
     for name, port in published:
         # host_ip:host_port:container_port; without host_ip Docker binds every interface.
         assert re.fullmatch(r"127\.0\.0\.1:\d+:\d+", port), f"{name}: {port}"
+
+
+def test_the_shipped_manifests_keep_the_default_retry_budget() -> None:
+    # CRS_MAX_ATTEMPTS is how long an event waits out a Kubernetes outage before it is
+    # dead-lettered (20: about 8 minutes). The manifests shipped 5 (7.5 s of back-off),
+    # so an API server restart dead-lettered placements while the runbooks promised
+    # minutes.
+    from service.app.config import Config
+
+    default = str(Config.__struct_defaults__[Config.__struct_fields__.index("max_attempts")])
+    chart = load_yaml(REPO / "charts" / "crs-consumer" / "values.yaml")
+    shipped = {
+        "deploy/crs-consumer.env": configmap_data()["CRS_MAX_ATTEMPTS"],
+        "docker-compose.yml": service_env(services()["consumer"])["CRS_MAX_ATTEMPTS"],
+        "charts/crs-consumer/values.yaml": str(chart["consumer"]["maxAttempts"]),
+    }
+    assert shipped == dict.fromkeys(shipped, default)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A YAML loader that refuses a mapping key given twice (PyYAML keeps the last)."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    # Keys written in this mapping; a merge key (<<: *anchor) may override, so it is left out.
+    merge = "tag:yaml.org,2002:merge"
+    keys = [loader.construct_object(k, deep=deep) for k, _ in node.value if k.tag != merge]
+    twice = sorted({str(k) for k in keys if keys.count(k) > 1})
+    if twice:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"keys given twice: {twice}", node.start_mark
+        )
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def test_shipped_yaml_gives_no_key_twice() -> None:
+    # A garbled comment once left deploy/kustomization.yaml with two configMapGenerator
+    # and two images keys: kustomize (last wins) still built it, a strict parser refuses.
+    files = [
+        COMPOSE_FILE,
+        *sorted(DEPLOY.glob("*.yaml")),
+        *sorted((DEPLOY / "monitoring").glob("*.yaml")),
+        REPO / "charts" / "crs-consumer" / "values.yaml",
+        REPO / "charts" / "crs-consumer" / "Chart.yaml",
+        *sorted((REPO / "charts" / "crs-consumer" / "alerts").glob("*.yaml")),
+    ]
+    assert len(files) > 10
+    for path in files:
+        with path.open(encoding="utf-8") as fh:
+            list(yaml.load_all(fh, Loader=_UniqueKeyLoader))  # a SafeLoader
