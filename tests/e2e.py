@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -13,9 +14,11 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
+import aiohttp
 import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.app.config import Config
 from service.app.runtime import Runtime
@@ -196,3 +199,25 @@ async def running(cfg: Config) -> AsyncIterator[Runtime]:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(task, 30)
         await runtime.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def counter_sums(port: int, *names: str) -> dict[str, float]:
+    """Each counter's total over its label sets, from the replica's /metrics."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{port}/metrics") as resp,
+    ):
+        assert resp.status == 200
+        text = await resp.text()
+    sums = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in sums:
+                sums[s.name] += s.value
+    return sums

@@ -31,13 +31,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import time
 from typing import Any
 
-import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests import e2e
 from tests.conftest import DevStack
@@ -113,28 +110,6 @@ async def test_sigterm_with_the_broker_frozen_mid_commit_ends_in_budget_and_comm
     assert codes["b"] == 0, f"exit codes {codes}\n{replicas.logs()}"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-async def counter_sums(port: int, *names: str) -> dict[str, float]:
-    """Each counter's total over its label sets, from the replica's /metrics."""
-    async with (
-        aiohttp.ClientSession() as session,
-        session.get(f"http://127.0.0.1:{port}/metrics") as resp,
-    ):
-        assert resp.status == 200
-        text = await resp.text()
-    sums = dict.fromkeys(names, 0.0)
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name in sums:
-                sums[s.name] += s.value
-    return sums
-
-
 async def test_a_freeze_past_the_commit_timeout_counts_and_commits_each_event_once(
     devstack: DevStack,
     clean_k8s: Any,
@@ -148,7 +123,7 @@ async def test_a_freeze_past_the_commit_timeout_counts_and_commits_each_event_on
     w = faults.mixed(hosts, 2400, seed=22)
     group = f"g-{topics['input']}"
     boot = devstack.kafka_bootstrap
-    port = free_port()
+    port = e2e.free_port()
     replicas.spawn("a", topics, CRS_COMMIT_TIMEOUT_S="2", CRS_HTTP_PORT=str(port))
     await faults.wait_group(boot, group, 1, timeout_s=60)
     await e2e.publish(boot, topics["input"], w.records)
@@ -173,7 +148,7 @@ async def test_a_freeze_past_the_commit_timeout_counts_and_commits_each_event_on
     # The workload did what the test is about: commits timed out during the freeze.
     timed_out = [x for x in log.splitlines() if "commit_failed" in x and "TimeoutError" in x]
     assert timed_out, log[-3000:]
-    counted = await counter_sums(
+    counted = await e2e.counter_sums(
         port, "crs_events_total", "crs_dead_letters_total", "cortex_nova_placement_total"
     )
     codes = replicas.stop_all()

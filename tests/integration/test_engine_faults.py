@@ -351,8 +351,9 @@ async def test_frozen_replica_past_its_session_commits_nothing_twice(
     w = mixed(hosts, 2400, seed=11)
     group = f"g-{topics['input']}"
     boot = devstack.kafka_bootstrap
-    for name in ("a", "b"):
-        replicas.spawn(name, topics)
+    ports = {name: e2e.free_port() for name in ("a", "b")}
+    for name, port in ports.items():
+        replicas.spawn(name, topics, CRS_HTTP_PORT=str(port))
     await wait_group(boot, group, 2, timeout_s=60)
     await e2e.publish(boot, topics["input"], w.records)
 
@@ -384,12 +385,21 @@ async def test_frozen_replica_past_its_session_commits_nothing_twice(
         boot, topics["output"], len(w.records) - w.poison, partitions=partitions, timeout_s=30
     )
     dead = await e2e.read_all(boot, topics["dlq"], w.poison, timeout_s=15)
+    names = ("crs_events_total", "crs_dead_letters_total")
+    counted = [await e2e.counter_sums(port, *names) for port in ports.values()]
     codes = replicas.stop_all()
     check_exactly_once(outputs, dead, ends, w)
     await check_allocations(clean_k8s, w)
     committed = await committed_offsets(boot, group, topics["input"])
     assert committed == ends
     assert set(codes.values()) == {0}, f"exit codes {codes}\n{replicas.logs()}"
+    # The zombie found itself fenced when it woke up (its stale batch dropped, not
+    # committed) ...
+    zombie_log = (replicas.log_dir / "a.log").read_text(errors="replace")
+    assert "Fenced" in zombie_log, zombie_log[-3000:]
+    # ... and counted nothing of it: the two replicas together count each event once.
+    total = {n: sum(c[n] for c in counted) for n in names}
+    assert total == {"crs_events_total": len(outputs), "crs_dead_letters_total": len(dead)}, counted
 
 
 async def test_api_server_frozen_does_not_hold_events_that_need_no_api_call(
