@@ -579,3 +579,57 @@ async def test_conflict_storm_of_three_replicas_decides_every_placement(
     # More placements than room: a slot left with room means a placement gave up on it.
     assert len(where) == capacity, f"{len(where)} of {capacity} places taken; {dict(outcomes)}"
     assert set(codes.values()) == {0}, f"exit codes {codes}\n{replicas.logs()}"
+
+
+async def test_one_vms_events_keep_their_order_while_other_keys_go_on(
+    devstack: DevStack,
+    clean_k8s: Any,
+    new_topic: Any,
+    replicas: Replicas,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Key lanes on the real stack, one partition: VM X's placement (a PATCH, held by a
+    frozen API server) comes first in its lane, keyed by X's UUID in upper case; X's
+    no-host-found outcome after it has no key (its lane is then X's instance UUID, which
+    compares case-insensitively); VM Y's outcome has its own key. Y's output must come out
+    during the freeze, X's second event only after X's first, in input order."""
+    await e2e.seed_region(clean_k8s)
+    topics = topics_for(
+        monkeypatch,
+        {
+            "input": await new_topic("in", 1),
+            "output": await new_topic("out", 1),
+            "dlq": await new_topic("dlq", 1),
+        },
+    )
+    group = f"g-{topics['input']}"
+    boot = devstack.kafka_bootstrap
+    replicas.spawn("a", topics, CRS_MAX_ATTEMPTS="1000")
+    await wait_group(boot, group, 1, timeout_s=60)
+    x, y = "6c1b8e4e-5f2a-4d8e-9c3b-0a1b2c3d4e5f", "0f9e8d7c-6b5a-4c3d-8e2f-1a0b9c8d7e6f"
+    _, placed, placed_req = e2e.outcome("hv-1", ["hv-1", "hv-2"], vm=x)  # slot_used
+    _, x_none, x_none_req = e2e.outcome(None, ["hv-3"], vm=x)
+    _, y_none, y_none_req = e2e.outcome(None, ["hv-3"], vm=y)
+    x_first = e2e.good_record(x, placed, placed_req)
+    x_second = e2e.good_record(x, x_none, x_none_req)
+    records = [
+        (x.upper().encode(), x_first[1], x_first[2]),
+        (None, x_second[1], x_second[2]),
+        e2e.good_record(y, y_none, y_none_req),
+    ]
+    pid = int((devstack.run_dir / "kube-apiserver.pid").read_text())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await e2e.publish(boot, topics["input"], records)
+        during = await e2e.read_all(boot, topics["output"], 1, timeout_s=20)
+        # A moment more: X's second event must still be waiting behind X's first.
+        during = await e2e.read_all(boot, topics["output"], 2, timeout_s=3)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    replicas.assert_running()
+    assert [e2e.data_of(r)["instance_uuid"] for r in during] == [y]
+    after = await e2e.read_all(boot, topics["output"], 3, timeout_s=60)
+    order = [(e2e.data_of(r)["instance_uuid"], e2e.data_of(r)["kind"]) for r in after]
+    assert order == [(y, "no_host_found"), (x, "placement"), (x, "no_host_found")]
+    assert e2e.data_of(after[1])["allocation"] == "written"
+    assert replicas.stop_all() == {"a": 0}
