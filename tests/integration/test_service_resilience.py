@@ -378,3 +378,76 @@ async def test_partitions_progress_concurrently_within_the_in_flight_bound(
         await runtime.stop()
     assert max(widths) >= PARTITIONS - 1, widths
     assert max(peaks) <= 10 + 10, peaks
+
+
+async def test_a_stub_refused_too_stalls_its_partition_until_the_topic_is_fixed(
+    devstack: DevStack, clean_k8s: Any, new_topic: Any
+) -> None:
+    """Output and dead-letter topics both too small even for a stub (a broken topic
+    configuration): the partition is reported stalled with the cause, retried at the
+    back-off (not a replay loop, not a silent drop, the process stays up), and once the
+    dead-letter topic is fixed every input ends as exactly one stub."""
+    from aiokafka.admin import NewTopic
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    hosts = await seed_capacity(clean_k8s, hosts=4)
+    topics = {"input": await new_topic("in", 1)}
+    topics["output"] = f"out-small-{topics['input']}"
+    topics["dlq"] = f"dlq-small-{topics['input']}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=devstack.kafka_bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics(
+            [
+                NewTopic(topics["output"], 1, 1, topic_configs={"max.message.bytes": "200"}),
+                NewTopic(topics["dlq"], 1, 1, topic_configs={"max.message.bytes": "100"}),
+            ]
+        )
+        records, _vms = placements(hosts, 3)
+        cfg = e2e.config(devstack, topics, CRS_RETRY_BACKOFF_S="0.1", CRS_RETRY_BACKOFF_MAX_S="0.4")
+        runtime = Runtime(cfg)
+        await runtime.start()
+        task = asyncio.create_task(runtime.run())
+        try:
+            await e2e.publish(devstack.kafka_bootstrap, topics["input"], records)
+            stream = runtime.stream
+            assert stream is not None
+
+            async def stalled() -> bool:
+                return bool(stream.stalled())
+
+            await wait_for(stalled, 60, "the partition to be reported stalled")
+            await asyncio.sleep(2.0)
+            ready, why = await runtime._ready()
+            assert not ready
+            assert "stalled" in why
+            assert "TooLarge" in why
+            failures = runtime.metrics.commit_failures
+            assert failures.labels("record_too_large")._value.get() == 1  # stubbed once
+            # Retried at the back-off cap (0.4 s), not in a loop: ~5 tries in those 2 s.
+            assert failures.labels("transient")._value.get() <= 20
+            assert stream.processed == 0
+            await admin.alter_configs(
+                [
+                    ConfigResource(
+                        ConfigResourceType.TOPIC, topics["dlq"], {"max.message.bytes": "1048576"}
+                    )
+                ]
+            )
+
+            async def recovered() -> bool:
+                return stream.processed >= len(records) and not stream.stalled()
+
+            await wait_for(recovered, 60, "the stubs to be committed after the fix")
+            assert (await runtime._ready())[0]
+        finally:
+            runtime.request_stop()
+            await asyncio.wait_for(task, 30)
+            await runtime.stop()
+        stubs = await e2e.read_all(devstack.kafka_bootstrap, topics["dlq"], len(records))
+        sources = collections.Counter(int(dict(s.headers)["crs.source.offset"]) for s in stubs)
+        assert sources == collections.Counter(range(len(records)))
+        assert all(dict(s.headers)["crs.stub"] == b"true" for s in stubs)
+    finally:
+        await admin.delete_topics([topics["output"], topics["dlq"]])
+        await admin.close()
