@@ -194,3 +194,41 @@ async def test_probes_report_readiness(
                 assert time.monotonic() < deadline, body
                 await asyncio.sleep(0.2)
         assert body["ok"] is True
+
+
+async def test_commits_are_triggered_by_count_and_paced_by_the_interval(
+    devstack: DevStack, clean_k8s: Any, new_topic: Any
+) -> None:
+    """CRS_COMMIT_BURST, CRS_COMMIT_MAX_RECORDS and CRS_COMMIT_INTERVAL_MS on the real
+    stack (one partition, events that need no API call): the first output of a quiet
+    partition is committed at once (its saved commit), five decided records are committed
+    at once by count, a lone record after them waits for the interval (60 s here), and a
+    stop commits it."""
+    await e2e.seed_region(clean_k8s)
+    topics = {
+        "input": await new_topic("in", 1),
+        "output": await new_topic("out", 1),
+        "dlq": await new_topic("dlq", 1),
+    }
+    boot = devstack.kafka_bootstrap
+    cfg = e2e.config(
+        devstack,
+        topics,
+        CRS_COMMIT_INTERVAL_MS="60000",
+        CRS_COMMIT_BURST="1",
+        CRS_COMMIT_MAX_RECORDS="5",
+    )
+
+    def events(n: int) -> list[Any]:
+        return [e2e.good_record(*e2e.outcome(None, ["hv-3"])) for _ in range(n)]
+
+    async with e2e.running(cfg):
+        await e2e.publish(boot, topics["input"], events(1))
+        assert len(await e2e.read_all(boot, topics["output"], 1, timeout_s=20)) == 1
+        await e2e.publish(boot, topics["input"], events(5))
+        assert len(await e2e.read_all(boot, topics["output"], 6, timeout_s=20)) == 6
+        await e2e.publish(boot, topics["input"], events(1))
+        # Decided within milliseconds, then held: no saved commit, one record < 5.
+        assert len(await e2e.read_all(boot, topics["output"], 7, timeout_s=3)) == 6
+    # The stop committed it.
+    assert len(await e2e.read_all(boot, topics["output"], 7, timeout_s=10)) == 7
