@@ -633,3 +633,47 @@ async def test_one_vms_events_keep_their_order_while_other_keys_go_on(
     assert order == [(y, "no_host_found"), (x, "placement"), (x, "no_host_found")]
     assert e2e.data_of(after[1])["allocation"] == "written"
     assert replicas.stop_all() == {"a": 0}
+
+
+async def test_key_concurrency_bounds_the_lanes_running_at_once(
+    devstack: DevStack,
+    clean_k8s: Any,
+    new_topic: Any,
+    replicas: Replicas,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CRS_KEY_CONCURRENCY=1 on the real stack: one lane at a time per partition, so a
+    placement held by a frozen API server holds the 3,000 other keys behind it (with the
+    default bound they go on: test_api_server_frozen_does_not_hold_events_that_need_no_api_call);
+    after SIGCONT those 3,000 waiting lanes all drain."""
+    await e2e.seed_region(clean_k8s)
+    topics = topics_for(
+        monkeypatch,
+        {
+            "input": await new_topic("in", 1),
+            "output": await new_topic("out", 1),
+            "dlq": await new_topic("dlq", 1),
+        },
+    )
+    group = f"g-{topics['input']}"
+    boot = devstack.kafka_bootstrap
+    replicas.spawn(
+        "a", topics, CRS_KEY_CONCURRENCY="1", CRS_MAX_IN_FLIGHT="5000", CRS_MAX_ATTEMPTS="1000"
+    )
+    await wait_group(boot, group, 1, timeout_s=60)
+    others = 3000
+    records = [e2e.good_record(*e2e.outcome("hv-1", ["hv-1", "hv-2"]))]  # slot_used: a PATCH
+    records += [e2e.good_record(*e2e.outcome(None, ["hv-3"])) for _ in range(others)]
+    pid = int((devstack.run_dir / "kube-apiserver.pid").read_text())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await e2e.publish(boot, topics["input"], records)
+        during = await e2e.read_all(boot, topics["output"], 1, timeout_s=5)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert during == []
+    after = await e2e.read_all(boot, topics["output"], len(records), timeout_s=120)
+    assert len(after) == len(records)
+    assert e2e.data_of(after[0])["allocation"] == "written"
+    replicas.assert_running()
+    assert replicas.stop_all() == {"a": 0}

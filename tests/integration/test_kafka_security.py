@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import pytest_asyncio
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -278,5 +279,94 @@ async def test_a_stop_ends_the_back_off_after_a_fetch_refused_by_a_revoked_acl(
         assert "AuthorizationFailed" in text, text[-3000:]
         assert took < 10.0, f"stopped {took:.1f} s after SIGTERM\n{text[-3000:]}"
         assert code == 0, text[-3000:]
+    finally:
+        await secure_kafka.revoke(who, acls)
+
+
+async def readyz(port: int) -> tuple[int, str]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{port}/readyz") as resp,
+    ):
+        return resp.status, await resp.text()
+
+
+async def until_ready_is(
+    port: int, status: int, cause: str, service: subprocess.Popen[bytes], log: Path
+) -> None:
+    deadline = time.monotonic() + 30
+    seen: tuple[int, str] = (0, "")
+    while time.monotonic() < deadline:
+        assert service.poll() is None, log.read_text()[-3000:]
+        seen = await readyz(port)
+        if seen[0] == status and cause in seen[1]:
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"/readyz never {status} with {cause!r}: last {seen}")
+
+
+async def test_readiness_follows_revoked_and_restored_acls(
+    secure_kafka: SecureKafka,
+    devstack: DevStack,
+    clean_k8s: Any,
+    topics: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """/readyz tells the truth about authorisation on the real secured broker:
+    the input's Read ACL revoked -> 503 "fetching from Kafka fails", restored -> events
+    flow and 200; the output's Write ACL revoked -> the commit fails, 503 "stalled ...
+    commit failing", which the partition's successful take-overs in between do not clear;
+    restored -> the held event comes out once and 200."""
+    port = e2e.free_port()
+    env = {
+        **service_env(secure_kafka, "sasl", topics, devstack),
+        "CRS_HTTP_PORT": str(port),
+        "CRS_RETRY_BACKOFF_MAX_S": "1",
+    }
+    acls = required_acls(Config.load(env=env))
+    who = principal(secure_kafka, "sasl")
+    (read_input,) = [a for a in acls if a.name == topics["input"]]
+    (write_output,) = [a for a in acls if a.name == topics["output"]]
+    await secure_kafka.grant(who, acls)
+    log = tmp_path / "service.log"
+
+    def event() -> Any:
+        return e2e.good_record(*e2e.outcome(None, ["hv-3"], project="p3"))
+
+    try:
+        await e2e.seed_region(clean_k8s)
+        service = crs("run", env, log)
+        try:
+            await publish_as_admin(secure_kafka, topics["input"], [event()])
+            assert len(await read_as_admin(secure_kafka, topics["output"], 1)) == 1
+            await until_ready_is(port, 200, "assigned", service, log)
+
+            await secure_kafka.revoke(who, [read_input])
+            await until_ready_is(port, 503, "fetching from Kafka fails", service, log)
+            await secure_kafka.grant(who, [read_input])
+            await publish_as_admin(secure_kafka, topics["input"], [event()])
+            assert len(await read_as_admin(secure_kafka, topics["output"], 2)) == 2
+            await until_ready_is(port, 200, "assigned", service, log)
+
+            await secure_kafka.revoke(who, [write_output])
+            await publish_as_admin(secure_kafka, topics["input"], [event()])
+            await until_ready_is(port, 503, "commit failing", service, log)
+            # Taken over again (the back-off is 1 s) and failing again: still not ready.
+            acquired = log.read_text().count('"event":"partition_acquired"')
+            deadline = time.monotonic() + 30
+            while log.read_text().count('"event":"partition_acquired"') < acquired + 2:
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                await asyncio.sleep(0.2)
+            status, body = await readyz(port)
+            assert (status, "commit failing" in body) == (503, True), body
+            await secure_kafka.grant(who, [write_output])
+            outputs = await read_as_admin(secure_kafka, topics["output"], 3)
+            await until_ready_is(port, 200, "assigned", service, log)
+            assert len(await read_as_admin(secure_kafka, topics["output"], 4, timeout_s=3)) == 3
+            assert len(outputs) == 3
+        finally:
+            service.terminate()
+            code = await finished(service, 40)
+        assert code == 0, log.read_text()[-3000:]
     finally:
         await secure_kafka.revoke(who, acls)
