@@ -52,12 +52,28 @@ class FakeBroker:
         self.data.set()
 
 
+class _FakeTxnManager:
+    """aiokafka's TransactionManager as far as the engine reads it: id and epoch."""
+
+    def __init__(self, producer: FakeProducer) -> None:
+        self._producer = producer
+
+    @property
+    def producer_id(self) -> int:
+        return 7 if self._producer.epoch >= 0 else -1
+
+    @property
+    def producer_epoch(self) -> int:
+        return self._producer.epoch
+
+
 class FakeProducer:
     def __init__(self, broker: FakeBroker, **kwargs: Any) -> None:
         self.broker = broker
         self.txn_id: str | None = kwargs.get("transactional_id")
         self.kwargs = kwargs
         self.epoch = -1
+        self._txn_manager = _FakeTxnManager(self) if self.txn_id is not None else None
         self.stopped = False
         self._pending: list[Rec] = []
         self._offsets: dict[tuple[str, TopicPartition], OffsetAndMetadata] = {}

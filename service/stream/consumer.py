@@ -321,10 +321,10 @@ class StreamService:
         # Offsets whose outputs the broker refused in a batch of several: sent alone next.
         self._alone: dict[TopicPartition, set[int]] = {}
         # The last commit of a partition that failed without a known outcome (a timeout:
-        # aiokafka shields EndTxn, so it may land after all). Nobody processes those
-        # records again if it landed, so its counts are applied when the take-over finds
-        # exactly its offset and metadata committed (see _acquire).
-        self._unsure: dict[TopicPartition, CommitPlan[_Done]] = {}
+        # aiokafka shields EndTxn, so it may land after all), with the (producer id,
+        # epoch) that sent it. Nobody processes those records again if it landed, so its
+        # counts are applied when the take-over proves it did (see _acquire).
+        self._unsure: dict[TopicPartition, tuple[CommitPlan[_Done], tuple[int, int]]] = {}
         self._stopping = asyncio.Event()
         self._capacity = asyncio.Event()  # a backpressured partition has room again
         self._background: set[asyncio.Task[Any]] = set()
@@ -791,17 +791,19 @@ class StreamService:
                 self._commit_failed(part, rejected.error)
             return False
         except Exception as exc:  # fenced, or broker, network or client trouble
-            if not isinstance(exc, ProducerFenced):
-                self._unsure[tp] = plan
+            sender = _producer_identity(part.producer)
+            if sender is not None and not isinstance(exc, ProducerFenced):
+                self._unsure[tp] = (plan, sender)
             self._commit_failed(part, exc)
             return False
         except asyncio.CancelledError:
             # Cut short (the shutdown budget, a drop): aiokafka shields the EndTxn, so
             # the transaction may commit all the same. With its outcome unknown nothing of
             # this part may be committed again; whoever takes the partition over next
-            # starts from what the broker has.
+            # starts from what the broker has. (Not remembered for counting: the
+            # partition is being given up, and a later take-over could not tell this
+            # commit from another owner's.)
             part.closed = True
-            self._unsure[tp] = plan
             raise
         part.ledger.committed(plan)
         if part.ledger.done_uncommitted:  # decided while this commit ran: the next one
@@ -1013,19 +1015,18 @@ class StreamService:
         if found is not None and found.offset >= 0:
             start, metadata = found.offset, found.metadata or ""
         unsure = self._unsure.pop(tp, None)
-        if unsure is not None and (start, metadata) == (unsure.offset, unsure.metadata):
+        if unsure is not None and _landed(unsure, (start, metadata), producer):
             # That commit landed: its records start behind the new position and nobody
-            # counts them unless this does. (A plan always moves the offset or the
-            # metadata, so an older commit never matches; a revoke in between forgets the
-            # plan, since another owner may have committed meanwhile.)
-            deferred.apply(done.counts for _, done in unsure.items)
-            self.processed += len(unsure.items)
+            # counts them unless this does.
+            plan = unsure[0]
+            deferred.apply(done.counts for _, done in plan.items)
+            self.processed += len(plan.items)
             log.info(
                 "commit_found_landed",
                 topic=tp.topic,
                 partition=tp.partition,
                 committed=start,
-                records=len(unsure.items),
+                records=len(plan.items),
             )
         if tp not in consumer.assignment():
             if producer is not None:
@@ -1218,6 +1219,32 @@ class StreamService:
     def stalled(self) -> dict[TopicPartition, str]:
         """Assigned partitions that cannot make progress, with the reason (for readiness)."""
         return dict(self._stalled)
+
+
+def _producer_identity(producer: Any) -> tuple[int, int] | None:
+    """(producer id, epoch) of a transactional producer that has started; else None."""
+    txn = getattr(producer, "_txn_manager", None)
+    if txn is None or txn.producer_id is None or txn.producer_id < 0:
+        return None
+    return int(txn.producer_id), int(txn.producer_epoch)
+
+
+def _landed(
+    unsure: tuple[CommitPlan[Any], tuple[int, int]], found: tuple[int | None, str], producer: Any
+) -> bool:
+    """Whether the unsure commit ``unsure`` (plan, sender) is the one the take-over found.
+
+    The committed offset and metadata must be the plan's: within one ledger a plan always
+    moves one or the other, so no earlier commit of this replica matches. And nobody may
+    have initialised the partition's transactional id between the sender and the new
+    producer (its epoch exactly one more), for another owner could have redone those
+    records and committed the same position, having counted them itself. Either doubt
+    leaves them uncounted: an under-count, never a double one.
+    """
+    plan, (pid, epoch) = unsure
+    if found != (plan.offset, plan.metadata):
+        return False
+    return _producer_identity(producer) == (pid, epoch + 1)
 
 
 async def _abort_quietly(producer: Any) -> None:

@@ -622,6 +622,31 @@ async def test_a_commit_that_timed_out_and_failed_counts_only_its_redo(
     assert h.processor.calls == [(0, 0), (0, 0)]
 
 
+async def test_a_commit_that_timed_out_is_not_counted_when_another_owner_committed_the_same(
+    broker: FakeBroker,
+) -> None:
+    # The commit times out and does not land; meanwhile another member initialises the
+    # partition's transactional id, redoes the record (counting it) and commits the very
+    # offset and metadata this one would have. Taken over again, this replica must not
+    # count the record a second time.
+    h = Harness(broker, commit_timeout_s=0.1, retry_backoff_s=0.5, retry_backoff_max_s=0.5)
+    await h.start(TP0)
+    part = await h.part()
+    broker.commit_delay_s = 0.2
+    broker.fail_commits = 1
+    broker.append(IN, 0, b"k", b"v")
+    await until(lambda: broker.fail_commits == 0)
+    broker.commit_delay_s = 0.0
+    txn_id = part.producer.txn_id
+    broker.epochs[txn_id] += 1  # the other owner's InitProducerId
+    broker.committed[("g", TP0)] = OffsetAndMetadata(1, "")
+    await until(lambda: h.service._parts.get(TP0) not in (None, part))  # taken over again
+    await asyncio.sleep(0.1)
+    await h.stop()
+    assert h.counted() == 0
+    assert h.processor.calls == [(0, 0)]
+
+
 async def test_a_revoke_bounds_its_last_commits_and_commits_nothing_twice(
     broker: FakeBroker,
 ) -> None:
