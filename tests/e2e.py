@@ -78,7 +78,7 @@ def outcome(
 
 
 async def publish(
-    bootstrap: str, topic: str, records: Sequence[tuple[bytes | None, bytes, list[Any]]]
+    bootstrap: str, topic: str, records: Sequence[tuple[bytes | None, bytes | None, list[Any]]]
 ) -> None:
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
     await producer.start()

@@ -249,6 +249,10 @@ async def redrive(
             refused.append((r, f"redriven {r.redrive_count} times (--max-redrives)"))
         elif r.header("crs.value.omitted") is not None:
             refused.append((r, "value omitted (too large); the original is in the input topic"))
+        elif r.header("crs.stub") is not None:
+            # A stub (its dead letter was refused by the topic) has no value: sent back it
+            # would only come back as empty_value. The original is in the input topic.
+            refused.append((r, "a stub without the value; the original is in the input topic"))
         else:
             selected.append(r)
 

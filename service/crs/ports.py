@@ -47,7 +47,8 @@ class NotFoundError(ApiError):
 
 
 class ForbiddenError(ApiError):
-    """HTTP 401/403: the service account lacks a permission; retrying will not help."""
+    """HTTP 401/403: the service account lacks a permission or its credentials expired;
+    only an operator's fix helps, so the stream retries at its back-off meanwhile."""
 
 
 class InvalidError(ApiError):

@@ -447,7 +447,8 @@ class Processor:
             encoded = encode_output(event, ref, outcome)
         except ApiError as exc:
             # 401/403 is a deployment problem (RBAC, credentials) that an operator fixes:
-            # the events wait, paused, instead of all going to the dead-letter topic.
+            # the events wait in their lanes (retried like an outage, up to max_attempts)
+            # instead of all going to the dead-letter topic.
             retryable = exc.retryable or isinstance(exc, ForbiddenError)
             error = clip(f"{type(exc).__name__}: {exc}")
             if retryable and attempt < self._max_attempts:

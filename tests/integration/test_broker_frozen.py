@@ -124,7 +124,15 @@ async def test_a_freeze_past_the_commit_timeout_counts_and_commits_each_event_on
     group = f"g-{topics['input']}"
     boot = devstack.kafka_bootstrap
     port = e2e.free_port()
-    replicas.spawn("a", topics, CRS_COMMIT_TIMEOUT_S="2", CRS_HTTP_PORT=str(port))
+    # A session far longer than the freeze: the replica must stay the partitions' owner,
+    # so that its own take-overs find what its timed-out commits did.
+    replicas.spawn(
+        "a",
+        topics,
+        CRS_COMMIT_TIMEOUT_S="2",
+        CRS_HTTP_PORT=str(port),
+        CRS_SESSION_TIMEOUT_MS="30000",
+    )
     await faults.wait_group(boot, group, 1, timeout_s=60)
     await e2e.publish(boot, topics["input"], w.records)
 
@@ -148,16 +156,22 @@ async def test_a_freeze_past_the_commit_timeout_counts_and_commits_each_event_on
     # The workload did what the test is about: commits timed out during the freeze.
     timed_out = [x for x in log.splitlines() if "commit_failed" in x and "TimeoutError" in x]
     assert timed_out, log[-3000:]
-    counted = await e2e.counter_sums(
-        port, "crs_events_total", "crs_dead_letters_total", "cortex_nova_placement_total"
-    )
-    codes = replicas.stop_all()
-    faults.check_exactly_once(outputs, dead, ends, w)
-    await faults.check_allocations(clean_k8s, w)
     placements = sum(1 for r in outputs if e2e.data_of(r)["kind"] == "placement")
-    assert counted == {
+    expected = {
         "crs_events_total": len(outputs),
         "crs_dead_letters_total": len(dead),
         "cortex_nova_placement_total": placements,
-    }, f"landed after a timeout: {log.count('commit_found_landed')} commit(s)"
+    }
+    # A landed commit is counted when its partition is taken over again, a back-off
+    # after the broker answered: wait for the counters, not only for the offsets.
+    deadline = time.monotonic() + 30
+    while (counted := await e2e.counter_sums(port, *expected)) != expected:
+        if time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    log = (replicas.log_dir / "a.log").read_text(errors="replace")
+    codes = replicas.stop_all()
+    faults.check_exactly_once(outputs, dead, ends, w)
+    await faults.check_allocations(clean_k8s, w)
+    assert counted == expected, f"landed after a timeout: {log.count('commit_found_landed')}"
     assert codes == {"a": 0}, replicas.logs()

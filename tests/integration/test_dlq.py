@@ -133,15 +133,19 @@ async def test_a_record_redriven_too_often_is_refused(
         ("crs.redrive.count", b"3"),
     ]
     fresh_headers = [("crs.error", b"retries_exhausted"), ("crs.reason", b"timed out")]
+    # A stub dead letter (the full one was refused by the topic): no value to send back.
+    stub_headers = [("crs.error", b"output_rejected"), ("crs.stub", b"true")]
     await e2e.publish(
         devstack.kafka_bootstrap,
         topics["dlq"],
         [(b"vm-a", b"{}", loop_headers), (b"vm-b", b"{}", fresh_headers)],
     )
+    await e2e.publish(devstack.kafka_bootstrap, topics["dlq"], [(b"vm-c", None, stub_headers)])
     cfg = e2e.config(devstack, topics)
     out = cli(cfg, "dlq", "redrive", "--max-redrives", "3")
     assert out.returncode == 0, out.stderr
     assert "refused p0:0 (retries_exhausted): redriven 3 times" in out.stdout
-    assert "redriven 1, refused 1" in out.stdout
+    assert "refused p0:2 (output_rejected): a stub without the value" in out.stdout
+    assert "redriven 1, refused 2" in out.stdout
     inputs = await e2e.read_all(devstack.kafka_bootstrap, topics["input"], 1, timeout_s=20)
     assert [(r.key, dict(r.headers)["crs.redrive.count"]) for r in inputs] == [(b"vm-b", b"1")]

@@ -86,6 +86,7 @@ async def finished(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
     while proc.poll() is None:
         if time.monotonic() > deadline:
             proc.kill()
+            proc.wait()
             raise AssertionError(f"{proc.args} did not finish within {timeout_s}s")
         await asyncio.sleep(0.1)
     return proc.returncode
@@ -275,6 +276,7 @@ async def test_a_stop_ends_the_back_off_after_a_fetch_refused_by_a_revoked_acl(
         finally:
             if service.poll() is None:
                 service.kill()
+                service.wait()
         text = log.read_text(errors="replace")
         assert "AuthorizationFailed" in text, text[-3000:]
         assert took < 10.0, f"stopped {took:.1f} s after SIGTERM\n{text[-3000:]}"

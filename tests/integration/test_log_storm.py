@@ -66,9 +66,9 @@ async def test_broker_outage_logs_a_bounded_number_of_lines(
     # Each identical line at most once per 30 s: how often a line may come back depends on
     # how long the outage lasted (devstack/up restarting the broker on a busy machine can
     # take it past 30 s), its spacing does not.
-    times: dict[tuple[str, str], list[datetime]] = {}
+    times: dict[tuple[str, str, str], list[datetime]] = {}
     for entry in library:
-        key = (entry["logger"], entry["event"])
+        key = (entry["logger"], entry["level"], entry["event"])
         times.setdefault(key, []).append(datetime.fromisoformat(entry["timestamp"]))
     for key, seen in times.items():
         gaps = [(b - a).total_seconds() for a, b in itertools.pairwise(seen)]

@@ -222,13 +222,19 @@ async def test_commits_are_triggered_by_count_and_paced_by_the_interval(
     def events(n: int) -> list[Any]:
         return [e2e.good_record(*e2e.outcome(None, ["hv-3"])) for _ in range(n)]
 
-    async with e2e.running(cfg):
+    async with e2e.running(cfg) as runtime:
         await e2e.publish(boot, topics["input"], events(1))
         assert len(await e2e.read_all(boot, topics["output"], 1, timeout_s=20)) == 1
         await e2e.publish(boot, topics["input"], events(5))
         assert len(await e2e.read_all(boot, topics["output"], 6, timeout_s=20)) == 6
         await e2e.publish(boot, topics["input"], events(1))
-        # Decided within milliseconds, then held: no saved commit, one record < 5.
+
+        # The histogram is observed when an event is decided (its count: all 7 decided).
+        deadline = time.monotonic() + 20
+        while runtime.metrics.registry.get_sample_value("crs_processing_seconds_count") != 7:
+            assert time.monotonic() < deadline, "the lone record was never decided"
+            await asyncio.sleep(0.05)
+        # Decided, then held: no saved commit, one record < 5.
         assert len(await e2e.read_all(boot, topics["output"], 7, timeout_s=3)) == 6
     # The stop committed it.
     assert len(await e2e.read_all(boot, topics["output"], 7, timeout_s=10)) == 7

@@ -442,8 +442,10 @@ async def test_a_stub_refused_too_stalls_its_partition_until_the_topic_is_fixed(
             assert (await runtime._ready())[0]
         finally:
             runtime.request_stop()
-            await asyncio.wait_for(task, 30)
-            await runtime.stop()
+            try:
+                await asyncio.wait_for(task, 30)
+            finally:
+                await runtime.stop()
         stubs = await e2e.read_all(devstack.kafka_bootstrap, topics["dlq"], len(records))
         sources = collections.Counter(int(dict(s.headers)["crs.source.offset"]) for s in stubs)
         assert sources == collections.Counter(range(len(records)))
