@@ -201,6 +201,16 @@ async def running(cfg: Config) -> AsyncIterator[Runtime]:
         await runtime.stop()
 
 
+async def new_topics(new_topic: Any, partitions: int) -> dict[str, str]:
+    """Fresh input and output topics of ``partitions`` partitions and a dead-letter topic
+    of one (``new_topic``: the fixture of that name)."""
+    return {
+        "input": await new_topic("in", partitions),
+        "output": await new_topic("out", partitions),
+        "dlq": await new_topic("dlq", 1),
+    }
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

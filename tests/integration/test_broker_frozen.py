@@ -51,6 +51,33 @@ CUT_AT_S = SHUTDOWN_S * 0.7
 replicas = faults.replicas  # the fixture: replica processes, resumed and stopped at teardown
 
 
+async def backlog_under_way(
+    devstack: DevStack,
+    api: Any,
+    new_topic: Any,
+    replicas: faults.Replicas,
+    monkeypatch: pytest.MonkeyPatch,
+    seed: int,
+    **settings: str,
+) -> tuple[dict[str, str], faults.Workload]:
+    """Replica "a" (``settings``) working through a backlog of 2,400 mixed events; returns
+    (topics, workload) once 300 outputs are committed."""
+    hosts = await faults.seed(api, hosts=8, slots_per_host=1, slot_memory="4Ti")
+    topics = faults.topics_for(monkeypatch, await resilience.service_topics(new_topic))
+    w = faults.mixed(hosts, 2400, seed=seed)
+    boot = devstack.kafka_bootstrap
+    replicas.spawn("a", topics, **settings)
+    await faults.wait_group(boot, f"g-{topics['input']}", 1, timeout_s=60)
+    await e2e.publish(boot, topics["input"], w.records)
+
+    async def partway() -> bool:
+        replicas.assert_running()
+        return await resilience.count_committed(boot, topics["output"]) >= 300
+
+    await resilience.wait_for(partway, 60, "the first outputs")
+    return topics, w
+
+
 async def test_sigterm_with_the_broker_frozen_mid_commit_ends_in_budget_and_commits_nothing_twice(
     devstack: DevStack,
     clean_k8s: Any,
@@ -59,20 +86,17 @@ async def test_sigterm_with_the_broker_frozen_mid_commit_ends_in_budget_and_comm
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     partitions = resilience.PARTITIONS
-    hosts = await faults.seed(clean_k8s, hosts=8, slots_per_host=1, slot_memory="4Ti")
-    topics = faults.topics_for(monkeypatch, await resilience.service_topics(new_topic))
-    w = faults.mixed(hosts, 2400, seed=21)
+    topics, w = await backlog_under_way(
+        devstack,
+        clean_k8s,
+        new_topic,
+        replicas,
+        monkeypatch,
+        21,
+        CRS_SHUTDOWN_TIMEOUT_S=str(SHUTDOWN_S),
+    )
     group = f"g-{topics['input']}"
     boot = devstack.kafka_bootstrap
-    replicas.spawn("a", topics, CRS_SHUTDOWN_TIMEOUT_S=str(SHUTDOWN_S))
-    await faults.wait_group(boot, group, 1, timeout_s=60)
-    await e2e.publish(boot, topics["input"], w.records)
-
-    async def partway() -> bool:
-        replicas.assert_running()
-        return await resilience.count_committed(boot, topics["output"]) >= 300
-
-    await resilience.wait_for(partway, 60, "the first outputs")
     broker = int((devstack.run_dir / "kafka.pid").read_text())
     a = replicas.procs["a"]
     os.kill(broker, signal.SIGSTOP)
@@ -118,29 +142,22 @@ async def test_a_freeze_past_the_commit_timeout_counts_and_commits_each_event_on
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     partitions = resilience.PARTITIONS
-    hosts = await faults.seed(clean_k8s, hosts=8, slots_per_host=1, slot_memory="4Ti")
-    topics = faults.topics_for(monkeypatch, await resilience.service_topics(new_topic))
-    w = faults.mixed(hosts, 2400, seed=22)
-    group = f"g-{topics['input']}"
-    boot = devstack.kafka_bootstrap
     port = e2e.free_port()
     # A session far longer than the freeze: the replica must stay the partitions' owner,
     # so that its own take-overs find what its timed-out commits did.
-    replicas.spawn(
-        "a",
-        topics,
+    topics, w = await backlog_under_way(
+        devstack,
+        clean_k8s,
+        new_topic,
+        replicas,
+        monkeypatch,
+        22,
         CRS_COMMIT_TIMEOUT_S="2",
         CRS_HTTP_PORT=str(port),
         CRS_SESSION_TIMEOUT_MS="30000",
     )
-    await faults.wait_group(boot, group, 1, timeout_s=60)
-    await e2e.publish(boot, topics["input"], w.records)
-
-    async def partway() -> bool:
-        replicas.assert_running()
-        return await resilience.count_committed(boot, topics["output"]) >= 300
-
-    await resilience.wait_for(partway, 60, "the first outputs")
+    group = f"g-{topics['input']}"
+    boot = devstack.kafka_bootstrap
     broker = int((devstack.run_dir / "kafka.pid").read_text())
     os.kill(broker, signal.SIGSTOP)
     try:

@@ -598,14 +598,7 @@ async def test_one_vms_events_keep_their_order_while_other_keys_go_on(
     compares case-insensitively); VM Y's outcome has its own key. Y's output must come out
     during the freeze, X's second event only after X's first, in input order."""
     await e2e.seed_region(clean_k8s)
-    topics = topics_for(
-        monkeypatch,
-        {
-            "input": await new_topic("in", 1),
-            "output": await new_topic("out", 1),
-            "dlq": await new_topic("dlq", 1),
-        },
-    )
+    topics = topics_for(monkeypatch, await e2e.new_topics(new_topic, 1))
     group = f"g-{topics['input']}"
     boot = devstack.kafka_bootstrap
     replicas.spawn("a", topics, CRS_MAX_ATTEMPTS="1000")
@@ -651,14 +644,7 @@ async def test_key_concurrency_bounds_the_lanes_running_at_once(
     default bound they go on: test_api_server_frozen_does_not_hold_events_that_need_no_api_call);
     after SIGCONT those 3,000 waiting lanes all drain."""
     await e2e.seed_region(clean_k8s)
-    topics = topics_for(
-        monkeypatch,
-        {
-            "input": await new_topic("in", 1),
-            "output": await new_topic("out", 1),
-            "dlq": await new_topic("dlq", 1),
-        },
-    )
+    topics = topics_for(monkeypatch, await e2e.new_topics(new_topic, 1))
     group = f"g-{topics['input']}"
     boot = devstack.kafka_bootstrap
     replicas.spawn(

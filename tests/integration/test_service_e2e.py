@@ -205,11 +205,7 @@ async def test_commits_are_triggered_by_count_and_paced_by_the_interval(
     at once by count, a lone record after them waits for the interval (60 s here), and a
     stop commits it."""
     await e2e.seed_region(clean_k8s)
-    topics = {
-        "input": await new_topic("in", 1),
-        "output": await new_topic("out", 1),
-        "dlq": await new_topic("dlq", 1),
-    }
+    topics = await e2e.new_topics(new_topic, 1)
     boot = devstack.kafka_bootstrap
     cfg = e2e.config(
         devstack,

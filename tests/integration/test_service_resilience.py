@@ -107,11 +107,7 @@ def check_exactly_once(outputs: list[Any], vms: set[str], where: dict[str, list[
 
 
 async def service_topics(new_topic: Any) -> dict[str, str]:
-    return {
-        "input": await new_topic("in", PARTITIONS),
-        "output": await new_topic("out", PARTITIONS),
-        "dlq": await new_topic("dlq", 1),
-    }
+    return await e2e.new_topics(new_topic, PARTITIONS)
 
 
 def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 20) -> int:
@@ -405,10 +401,7 @@ async def test_a_stub_refused_too_stalls_its_partition_until_the_topic_is_fixed(
         )
         records, _vms = placements(hosts, 3)
         cfg = e2e.config(devstack, topics, CRS_RETRY_BACKOFF_S="0.1", CRS_RETRY_BACKOFF_MAX_S="0.4")
-        runtime = Runtime(cfg)
-        await runtime.start()
-        task = asyncio.create_task(runtime.run())
-        try:
+        async with e2e.running(cfg) as runtime:
             await e2e.publish(devstack.kafka_bootstrap, topics["input"], records)
             stream = runtime.stream
             assert stream is not None
@@ -440,12 +433,6 @@ async def test_a_stub_refused_too_stalls_its_partition_until_the_topic_is_fixed(
 
             await wait_for(recovered, 60, "the stubs to be committed after the fix")
             assert (await runtime._ready())[0]
-        finally:
-            runtime.request_stop()
-            try:
-                await asyncio.wait_for(task, 30)
-            finally:
-                await runtime.stop()
         stubs = await e2e.read_all(devstack.kafka_bootstrap, topics["dlq"], len(records))
         sources = collections.Counter(int(dict(s.headers)["crs.source.offset"]) for s in stubs)
         assert sources == collections.Counter(range(len(records)))
