@@ -42,6 +42,7 @@ class FakeBroker:
         self.init_delay_s = 0.0  # how long InitProducerId takes (a coordinator loading)
         self.fail_inits = 0  # the next N InitProducerIds fail with a connection error
         self.commit_delay_s = 0.0  # how long EndTxn takes (a broker in trouble)
+        self.stop_delay_s = 0.0  # how long closing a producer takes (a broker in trouble)
         self.commits = 0
         self.data = asyncio.Event()
 
@@ -91,6 +92,7 @@ class FakeProducer:
             self.broker.epochs[self.txn_id] = self.epoch
 
     async def stop(self) -> None:
+        await asyncio.sleep(self.broker.stop_delay_s)
         self.stopped = True
 
     async def begin_transaction(self) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import os
 import random
 import signal
@@ -32,6 +33,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -667,3 +669,96 @@ async def test_key_concurrency_bounds_the_lanes_running_at_once(
     assert e2e.data_of(after[0])["allocation"] == "written"
     replicas.assert_running()
     assert replicas.stop_all() == {"a": 0}
+
+
+def log_events(path: Path, event: str) -> list[dict[str, Any]]:
+    """The JSON log lines of ``event`` in a replica's log, in order."""
+    needle = f'"event":"{event}"'
+    return [
+        json.loads(line)
+        for line in path.read_text(errors="replace").splitlines()
+        if needle in line and line.startswith("{")
+    ]
+
+
+async def test_a_revoke_bounds_its_last_commits_when_the_broker_hangs(
+    devstack: DevStack,
+    clean_k8s: Any,
+    new_topic: Any,
+    replicas: Replicas,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rebalance (replica b joins) while replica a's records wait on a frozen API server
+    and then its last commits hang on a frozen broker: a's revoke, which runs inside the
+    rebalance where aiokafka sends no heartbeat, must end within CRS_REVOKE_WAIT_S plus
+    what is left of half the session (here 3 + 2 s, plus a second of slack), its commits
+    cut short, instead of waiting CRS_COMMIT_TIMEOUT_S per partition (and a member that
+    misses its session is evicted: one more rebalance); afterwards every input exactly
+    once."""
+    partitions = 4
+    # Many hosts: the placements do not queue behind each other on a few slots, so the
+    # rest is done quickly after the freezes.
+    hosts = await seed(clean_k8s, hosts=32, slots_per_host=1, slot_memory="4Ti")
+    topics = topics_for(monkeypatch, await resilience.service_topics(new_topic))
+    w = mixed(hosts, 3000, seed=13)
+    group = f"g-{topics['input']}"
+    boot = devstack.kafka_bootstrap
+    settings = {
+        "CRS_SESSION_TIMEOUT_MS": "10000",
+        "CRS_REVOKE_WAIT_S": "3",
+        "CRS_MAX_ATTEMPTS": "1000",
+    }
+    # a commits every 10 s (or per 500 records): what it decides before the rebalance is
+    # still to be committed when the revoke comes.
+    replicas.spawn("a", topics, CRS_COMMIT_INTERVAL_MS="10000", CRS_COMMIT_BURST="1", **settings)
+    await wait_group(boot, group, 1, timeout_s=60)
+    await e2e.publish(boot, topics["input"], w.records)
+
+    async def partway() -> bool:
+        replicas.assert_running()
+        return await resilience.count_committed(boot, topics["output"]) >= 300
+
+    await resilience.wait_for(partway, 60, "the first outputs")
+    a_log, b_log = replicas.log_dir / "a.log", replicas.log_dir / "b.log"
+    revokes_before = len(log_events(a_log, "partitions_revoking"))
+    apiserver = int((devstack.run_dir / "kube-apiserver.pid").read_text())
+    broker = int((devstack.run_dir / "kafka.pid").read_text())
+    frozen: list[int] = []
+    try:
+        replicas.spawn("b", topics, **settings)
+        deadline = time.monotonic() + 60
+        while not log_events(b_log, "consumer_started"):  # b is joining: a rebalance
+            assert time.monotonic() < deadline, replicas.logs()
+            await asyncio.sleep(0.05)
+        os.kill(apiserver, signal.SIGSTOP)  # a's placements in progress stay so
+        frozen.append(apiserver)
+        while len(log_events(a_log, "partitions_revoking")) == revokes_before:
+            assert time.monotonic() < deadline, replicas.logs()
+            await asyncio.sleep(0.05)
+        os.kill(broker, signal.SIGSTOP)  # before a's revoke has waited 3 s and commits
+        frozen.append(broker)
+        await asyncio.sleep(8.0)
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+    revoking = log_events(a_log, "partitions_revoking")[revokes_before]
+    after = [
+        e for e in log_events(a_log, "partitions_revoked") if e["timestamp"] > revoking["timestamp"]
+    ]
+    assert after, replicas.logs()
+    took = (
+        datetime.fromisoformat(after[0]["timestamp"])
+        - datetime.fromisoformat(revoking["timestamp"])
+    ).total_seconds()
+    assert log_events(a_log, "release_commit_cut_short"), "the revoke's commits did not hang"
+    assert took <= 3 + 2 + 1, f"a's revoke took {took:.1f} s\n{replicas.logs()}"
+
+    ends = await wait_all_committed(boot, group, topics["input"], partitions, 180, replicas)
+    outputs = await e2e.read_all(
+        boot, topics["output"], len(w.records) - w.poison, partitions=partitions, timeout_s=30
+    )
+    dead = await e2e.read_all(boot, topics["dlq"], w.poison, timeout_s=15)
+    codes = replicas.stop_all()
+    check_exactly_once(outputs, dead, ends, w)
+    await check_allocations(clean_k8s, w)
+    assert set(codes.values()) == {0}, f"exit codes {codes}\n{replicas.logs()}"

@@ -662,12 +662,32 @@ async def test_a_revoke_bounds_its_last_commits_and_commits_nothing_twice(
     started = time.monotonic()
     await h.consumer.assign([])  # both revoked while their commits hang
     assert time.monotonic() - started < 0.5
-    assert all(p.closed and p.producer.stopped for p in parts)
+    assert all(p.closed for p in parts)
+    await until(lambda: all(p.producer.stopped for p in parts))  # closed in the background
     await asyncio.sleep(1.0)  # the shielded commits land after all
     await h.consumer.assign([TP0, TP1])  # taken over again: nothing published twice
     await asyncio.sleep(0.3)
     assert sorted(outputs(broker)) == [b"v0", b"v1"]
     await h.stop()
+
+
+async def test_a_revoke_does_not_wait_for_its_producers_to_close(broker: FakeBroker) -> None:
+    # Closing a producer whose commit was cut short waits for the broker; inside the
+    # rebalance (no heartbeat) that must not add to the revoke's bound. They close in
+    # the background, and close() still waits for them.
+    h = Harness(broker, revoke_wait_s=0.1, revoke_commit_s=0.2, commit_timeout_s=30.0)
+    await h.start(TP0)
+    part = await h.part()
+    broker.commit_delay_s = 1.0
+    broker.stop_delay_s = 2.0
+    broker.append(IN, 0, b"k", b"v")
+    await until(lambda: "commit" in part.producer.calls)
+    started = time.monotonic()
+    await h.consumer.assign([])
+    assert time.monotonic() - started < 0.6
+    assert not part.producer.stopped  # still closing
+    await h.stop()
+    assert part.producer.stopped  # close() waited for it
 
 
 async def test_a_partition_taken_over_after_failures_is_no_longer_reported_stalled(
