@@ -117,6 +117,8 @@ class WatchClusterState(ClusterState):
         self._stale_after_s = stale_after_s
         self._silence_bound_s = silence_bound_s
         self._started = False
+        # The first sync is logged once, not by every request that waited for it.
+        self._sync_logged = False
 
         self._indexes = ClusterIndexes()
         indexes = self._indexes
@@ -184,7 +186,9 @@ class WatchClusterState(ClusterState):
                     await informer.wait_synced()
         except TimeoutError:
             return False
-        _log.info("watch_cache_synced", seconds=round(time.monotonic() - started, 3))
+        if not self._sync_logged:
+            self._sync_logged = True
+            _log.info("watch_cache_synced", seconds=round(time.monotonic() - started, 3))
         return True
 
     @property

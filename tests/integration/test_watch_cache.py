@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import pytest
 import pytest_asyncio
+import structlog
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 from prometheus_client import CollectorRegistry
@@ -717,6 +718,21 @@ async def test_readiness_and_requests_before_sync(
 
     await cache.stop()
     assert cache.ready()[0] is False
+
+
+async def test_the_first_sync_is_logged_once_however_many_requests_waited_for_it(
+    cluster: Cluster, make_cache: Any
+) -> None:
+    # Events arriving before the first sync each wait for it; each logged
+    # watch_cache_synced when it came (148 identical lines from one replica whose API
+    # server had been frozen at start-up).
+    cache = await make_cache(start=False)
+    with structlog.testing.capture_logs() as logs:
+        await cache.start()
+        waiting = [asyncio.create_task(cache.snapshot(["h"], "p")) for _ in range(50)]
+        await asyncio.gather(*waiting)
+        assert await cache.wait_synced(30)
+    assert [e["event"] for e in logs].count("watch_cache_synced") == 1
 
 
 async def test_a_watch_down_too_long_is_not_ready_and_fails_requests(
