@@ -861,9 +861,11 @@ class StreamService:
                 await pending.settle()
             except asyncio.CancelledError:
                 # Cut short: the partition is being given up and its producer closed (see
-                # _commit_locked); whoever takes it over aborts this transaction with its
-                # InitProducerId. Aborting here would wait for the broker (up to 5 s)
-                # inside a bounded release: a revoke, where no heartbeat is sent.
+                # _commit_locked); whoever takes it over next aborts this transaction with
+                # its InitProducerId (if nobody does, the broker after the transaction
+                # timeout; until then read_committed readers of the outputs wait at it).
+                # Aborting here would wait for the broker (up to 5 s) inside a bounded
+                # release: a revoke, where no heartbeat is sent.
                 part.txn_ended = self._clock()
                 raise
             except BaseException:
