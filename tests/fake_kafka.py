@@ -43,6 +43,7 @@ class FakeBroker:
         self.fail_inits = 0  # the next N InitProducerIds fail with a connection error
         self.commit_delay_s = 0.0  # how long EndTxn takes (a broker in trouble)
         self.stop_delay_s = 0.0  # how long closing a producer takes (a broker in trouble)
+        self.offsets_delay_s = 0.0  # how long TxnOffsetCommit takes (a broker in trouble)
         self.commits = 0
         self.data = asyncio.Event()
 
@@ -132,6 +133,7 @@ class FakeProducer:
     ) -> None:
         self.calls.append("offsets")
         assert self.in_transaction, "offsets outside a transaction"
+        await asyncio.sleep(self.broker.offsets_delay_s)
         self._check_epoch()
         for tp, om in offsets.items():  # the last one sent in a transaction wins
             self._offsets[(group_id, tp)] = om

@@ -392,7 +392,8 @@ async def run_service(config: Config) -> int:
     started = time.monotonic()
     # Most of the budget goes to finishing the batch in hand (the loop stops taking new
     # records at once and commits what is done); the rest is kept for closing the
-    # clients, which leaves the group and aborts any transaction still open.
+    # clients, which leaves the group (a transaction the budget cut short is aborted
+    # by the partition's next owner, or by the broker after its transaction timeout).
     finish_budget = deadline * 0.7
     try:
         await asyncio.wait_for(asyncio.shield(run_task), finish_budget)

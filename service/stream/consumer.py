@@ -397,6 +397,9 @@ class StreamService:
                 with contextlib.suppress(Exception):
                     # LeaveGroup: partitions move at once
                     await asyncio.wait_for(self._consumer.stop(), 5.0)
+                if self._closing:  # a rebalance under way ended in a revoke meanwhile
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(asyncio.gather(*self._closing), 5.0)
             if self._shared_producer is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._shared_producer.stop(), 5.0)
@@ -860,12 +863,15 @@ class StreamService:
                     raise
                 await pending.settle()
             except asyncio.CancelledError:
-                # Cut short: the partition is being given up and its producer closed (see
-                # _commit_locked); whoever takes it over next aborts this transaction with
-                # its InitProducerId (if nobody does, the broker after the transaction
-                # timeout; until then read_committed readers of the outputs wait at it).
-                # Aborting here would wait for the broker (up to 5 s) inside a bounded
-                # release: a revoke, where no heartbeat is sent.
+                # Cut short. A partition being released (a revoke, a stop) is given up and
+                # its producer closed: whoever takes it over next aborts this transaction
+                # with its InitProducerId (if nobody does, the broker after the
+                # transaction timeout; until then read_committed readers of the outputs
+                # wait at it). Aborting here would wait for the broker (up to 5 s) inside
+                # a bounded release: in a revoke, where no heartbeat is sent. Otherwise
+                # (commit_timeout_s) it is aborted now, as any failed commit.
+                if not part.draining:
+                    await _abort_quietly(producer)
                 part.txn_ended = self._clock()
                 raise
             except BaseException:
@@ -893,16 +899,20 @@ class StreamService:
         sent_alone = self._alone.get(tp, set())
         alone = any(o in sent_alone for o, _ in plan.items)
         deliveries = _Deliveries(alone=alone)
-        for offset, done in plan.items:
-            r = done.out
-            try:
-                future = await producer.send(r.topic, r.value, key=r.key, headers=r.headers)
-            except (*_TOO_LARGE, *_INVALID) as exc:  # refused before it left the client
-                deliveries.refused(offset, exc)
-            else:
-                deliveries.futures.append((offset, future))
-                if alone:
-                    await asyncio.wait([future])
+        try:
+            for offset, done in plan.items:
+                r = done.out
+                try:
+                    future = await producer.send(r.topic, r.value, key=r.key, headers=r.headers)
+                except (*_TOO_LARGE, *_INVALID) as exc:  # refused before it left the client
+                    deliveries.refused(offset, exc)
+                else:
+                    deliveries.futures.append((offset, future))
+                    if alone:
+                        await asyncio.wait([future])
+        except BaseException:  # cut short or failed: the caller never settles these
+            deliveries.abandon()
+            raise
         return deliveries
 
     def _commit_failed(self, part: _Partition, exc: BaseException) -> None:
@@ -1161,10 +1171,9 @@ class StreamService:
                 await task
         if part.producer is not None:
             closing = asyncio.ensure_future(_close_quietly(part.producer))
-            if close_later:
-                self._closing.add(closing)
-                closing.add_done_callback(self._closing.discard)
-            else:
+            self._closing.add(closing)  # close() awaits it if this is cut short
+            closing.add_done_callback(self._closing.discard)
+            if not close_later:
                 await asyncio.shield(closing)
         if current is not None and current.cancelling() > cancels:
             raise asyncio.CancelledError
@@ -1298,3 +1307,9 @@ async def _close_quietly(producer: Any) -> None:
         await asyncio.wait_for(producer.stop(), 5.0)
     except Exception as exc:  # a fenced or broken producer may fail to close
         log.debug("producer_close_failed", error=repr(exc)[:200])
+        # aiokafka's stop() raises before closing its connections when the sender ends
+        # fenced (a new owner initialised the id meanwhile): close them here.
+        client = getattr(producer, "client", None)
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.close(), 5.0)

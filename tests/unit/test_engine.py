@@ -690,6 +690,31 @@ async def test_a_revoke_does_not_wait_for_its_producers_to_close(broker: FakeBro
     assert part.producer.stopped  # close() waited for it
 
 
+async def test_a_commit_past_its_timeout_is_aborted_but_a_released_one_is_not(
+    broker: FakeBroker,
+) -> None:
+    # A commit cut short by commit_timeout_s aborts its transaction at once, as any failed
+    # commit (read_committed readers of the outputs would wait at it otherwise); one cut
+    # short while its partition is released (a revoke, where no heartbeat is sent) leaves
+    # it to the next owner rather than wait for the broker.
+    h = Harness(broker, commit_timeout_s=1.0, revoke_wait_s=0.1, revoke_commit_s=0.2)
+    await h.start(TP0)
+    part = await h.part()
+    broker.offsets_delay_s = 1.5
+    broker.append(IN, 0, b"k", b"v")
+    await until(lambda: "abort" in part.producer.calls)  # timed out: aborted
+    again = await h.part()
+    while again is part:
+        await asyncio.sleep(0.01)
+        again = await h.part()
+    broker.offsets_delay_s = 5.0
+    broker.append(IN, 0, b"k", b"w")
+    await until(lambda: "offsets" in again.producer.calls)
+    await h.consumer.assign([])  # revoked while the commit hangs
+    assert "abort" not in again.producer.calls
+    await h.stop()
+
+
 async def test_a_partition_taken_over_after_failures_is_no_longer_reported_stalled(
     broker: FakeBroker,
 ) -> None:
