@@ -70,11 +70,7 @@ async def backlog_under_way(
     await faults.wait_group(boot, f"g-{topics['input']}", 1, timeout_s=60)
     await e2e.publish(boot, topics["input"], w.records)
 
-    async def partway() -> bool:
-        replicas.assert_running()
-        return await resilience.count_committed(boot, topics["output"]) >= 300
-
-    await resilience.wait_for(partway, 60, "the first outputs")
+    await faults.first_outputs(boot, topics, replicas)
     return topics, w
 
 
@@ -122,11 +118,7 @@ async def test_sigterm_with_the_broker_frozen_mid_commit_ends_in_budget_and_comm
     del replicas.procs["a"]  # ended as it should: no longer one of the running replicas
 
     replicas.spawn("b", topics)
-    ends = await faults.wait_all_committed(boot, group, topics["input"], partitions, 120, replicas)
-    outputs = await e2e.read_all(
-        boot, topics["output"], len(w.records) - w.poison, partitions=partitions, timeout_s=30
-    )
-    dead = await e2e.read_all(boot, topics["dlq"], w.poison, timeout_s=15)
+    ends, outputs, dead = await faults.results(boot, topics, partitions, w, replicas, 120)
     codes = replicas.stop_all()
     faults.check_exactly_once(outputs, dead, ends, w)
     await faults.check_allocations(clean_k8s, w)
@@ -156,7 +148,6 @@ async def test_a_freeze_past_the_commit_timeout_counts_and_commits_each_event_on
         CRS_HTTP_PORT=str(port),
         CRS_SESSION_TIMEOUT_MS="30000",
     )
-    group = f"g-{topics['input']}"
     boot = devstack.kafka_bootstrap
     broker = int((devstack.run_dir / "kafka.pid").read_text())
     os.kill(broker, signal.SIGSTOP)
@@ -164,11 +155,7 @@ async def test_a_freeze_past_the_commit_timeout_counts_and_commits_each_event_on
         await asyncio.sleep(5.0)  # past the commit timeout, inside the session timeout
     finally:
         os.kill(broker, signal.SIGCONT)
-    ends = await faults.wait_all_committed(boot, group, topics["input"], partitions, 120, replicas)
-    outputs = await e2e.read_all(
-        boot, topics["output"], len(w.records) - w.poison, partitions=partitions, timeout_s=30
-    )
-    dead = await e2e.read_all(boot, topics["dlq"], w.poison, timeout_s=15)
+    ends, outputs, dead = await faults.results(boot, topics, partitions, w, replicas, 120)
     log = (replicas.log_dir / "a.log").read_text(errors="replace")
     # The workload did what the test is about: commits timed out during the freeze.
     timed_out = [x for x in log.splitlines() if "commit_failed" in x and "TimeoutError" in x]

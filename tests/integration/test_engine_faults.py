@@ -260,6 +260,34 @@ async def wait_all_committed(
     raise AssertionError(f"committed {committed} never reached the end offsets {ends}")
 
 
+async def first_outputs(bootstrap: str, topics: dict[str, str], r: Replicas) -> None:
+    """Wait until 300 outputs are committed (the replicas are under way)."""
+
+    async def partway() -> bool:
+        r.assert_running()
+        return await resilience.count_committed(bootstrap, topics["output"]) >= 300
+
+    await resilience.wait_for(partway, 60, "the first outputs")
+
+
+async def results(
+    bootstrap: str,
+    topics: dict[str, str],
+    partitions: int,
+    w: Workload,
+    r: Replicas,
+    timeout_s: float,
+) -> tuple[dict[int, int], list[ConsumerRecord], list[ConsumerRecord]]:
+    """Once the group has committed every input: (end offsets, outputs, dead letters)."""
+    group = f"g-{topics['input']}"
+    ends = await wait_all_committed(bootstrap, group, topics["input"], partitions, timeout_s, r)
+    outputs = await e2e.read_all(
+        bootstrap, topics["output"], len(w.records) - w.poison, partitions=partitions, timeout_s=30
+    )
+    dead = await e2e.read_all(bootstrap, topics["dlq"], w.poison, timeout_s=15)
+    return ends, outputs, dead
+
+
 def dead_letter_coords(record: ConsumerRecord) -> tuple[int, int]:
     headers = {k: bytes(v).decode() for k, v in record.headers}
     return int(headers["crs.source.partition"]), int(headers["crs.source.offset"])
@@ -363,11 +391,7 @@ async def test_frozen_replica_past_its_session_commits_nothing_twice(
     await wait_group(boot, group, 2, timeout_s=60)
     await e2e.publish(boot, topics["input"], w.records)
 
-    async def partway() -> bool:
-        replicas.assert_running()
-        return await resilience.count_committed(boot, topics["output"]) >= 300
-
-    await resilience.wait_for(partway, 60, "the first outputs")
+    await first_outputs(boot, topics, replicas)
     frozen = replicas.procs["a"]
     os.kill(frozen.pid, signal.SIGSTOP)
     stopped_at = time.monotonic()
@@ -386,11 +410,7 @@ async def test_frozen_replica_past_its_session_commits_nothing_twice(
     # a rejoining proves it has woken up and dealt with what it held when frozen.
     await wait_group(boot, group, 2, timeout_s=60)
 
-    ends = await wait_all_committed(boot, group, topics["input"], partitions, 90, replicas)
-    outputs = await e2e.read_all(
-        boot, topics["output"], len(w.records) - w.poison, partitions=partitions, timeout_s=30
-    )
-    dead = await e2e.read_all(boot, topics["dlq"], w.poison, timeout_s=15)
+    ends, outputs, dead = await results(boot, topics, partitions, w, replicas, 90)
     names = ("crs_events_total", "crs_dead_letters_total")
     counted = [await e2e.counter_sums(port, *names) for port in ports.values()]
     codes = replicas.stop_all()
@@ -714,11 +734,7 @@ async def test_a_revoke_bounds_its_last_commits_when_the_broker_hangs(
     await wait_group(boot, group, 1, timeout_s=60)
     await e2e.publish(boot, topics["input"], w.records)
 
-    async def partway() -> bool:
-        replicas.assert_running()
-        return await resilience.count_committed(boot, topics["output"]) >= 300
-
-    await resilience.wait_for(partway, 60, "the first outputs")
+    await first_outputs(boot, topics, replicas)
     a_log, b_log = replicas.log_dir / "a.log", replicas.log_dir / "b.log"
     revokes_before = len(log_events(a_log, "partitions_revoking"))
     apiserver = int((devstack.run_dir / "kube-apiserver.pid").read_text())
@@ -753,11 +769,7 @@ async def test_a_revoke_bounds_its_last_commits_when_the_broker_hangs(
     assert log_events(a_log, "release_commit_cut_short"), "the revoke's commits did not hang"
     assert took <= 3 + 2 + 1, f"a's revoke took {took:.1f} s\n{replicas.logs()}"
 
-    ends = await wait_all_committed(boot, group, topics["input"], partitions, 180, replicas)
-    outputs = await e2e.read_all(
-        boot, topics["output"], len(w.records) - w.poison, partitions=partitions, timeout_s=30
-    )
-    dead = await e2e.read_all(boot, topics["dlq"], w.poison, timeout_s=15)
+    ends, outputs, dead = await results(boot, topics, partitions, w, replicas, 180)
     codes = replicas.stop_all()
     check_exactly_once(outputs, dead, ends, w)
     await check_allocations(clean_k8s, w)
