@@ -389,17 +389,18 @@ class StreamService:
         finally:
             for task in list(self._background):
                 task.cancel()
-            left: list[Awaitable[None]] = [self._drop(part) for part in list(self._parts.values())]
-            left += self._closing  # revoked partitions' producers still closing
+            left = [self._drop(part) for part in list(self._parts.values())]
             with contextlib.suppress(Exception):  # their producers (the commit cut short)
                 await asyncio.wait_for(asyncio.gather(*left), 5.0)
             if self._consumer is not None:
                 with contextlib.suppress(Exception):
                     # LeaveGroup: partitions move at once
                     await asyncio.wait_for(self._consumer.stop(), 5.0)
-                if self._closing:  # a rebalance under way ended in a revoke meanwhile
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(asyncio.gather(*self._closing), 5.0)
+            if self._closing:
+                # Producers of revoked partitions still closing (see _drop), including any
+                # a rebalance under way revoked during LeaveGroup.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.gather(*self._closing), 5.0)
             if self._shared_producer is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._shared_producer.stop(), 5.0)
@@ -774,25 +775,15 @@ class StreamService:
                 # be refused together. Taken over again, they are sent one by one, and
                 # only one refused alone is replaced by a stub.
                 self._alone.setdefault(tp, set()).update(rejected.offsets)
-                log.warning(
-                    "records_rejected_sending_alone",
-                    topic=tp.topic,
-                    partition=tp.partition,
-                    offsets=rejected.offsets[:20],
-                    error=repr(rejected.error)[:200],
+                self._retake_rejected(
+                    part, rejected, "records_rejected_sending_alone", "batch_too_large"
                 )
-                self._reacquire(part, delay=0.0, reason="batch_too_large")
             elif refused and stubbed.isdisjoint(rejected.offsets):
                 stubbed.update(rejected.offsets)
                 self._metrics.commit_failures.labels("record_too_large").inc()
-                log.warning(
-                    "records_rejected_stubbing",
-                    topic=tp.topic,
-                    partition=tp.partition,
-                    offsets=rejected.offsets[:20],
-                    error=repr(rejected.error)[:200],
+                self._retake_rejected(
+                    part, rejected, "records_rejected_stubbing", "record_too_large"
                 )
-                self._reacquire(part, delay=0.0, reason="record_too_large")
             else:
                 self._commit_failed(part, rejected.error)
             return False
@@ -862,20 +853,16 @@ class StreamService:
                     pending.abandon()
                     raise
                 await pending.settle()
-            except asyncio.CancelledError:
-                # Cut short. A partition being released (a revoke, a stop) is given up and
-                # its producer closed: whoever takes it over next aborts this transaction
-                # with its InitProducerId (if nobody does, the broker after the
-                # transaction timeout; until then read_committed readers of the outputs
-                # wait at it). Aborting here would wait for the broker (up to 5 s) inside
-                # a bounded release: in a revoke, where no heartbeat is sent. Otherwise
-                # (commit_timeout_s) it is aborted now, as any failed commit.
-                if not part.draining:
+            except BaseException as exc:
+                # A failed commit aborts its transaction, except one cut short while its
+                # partition is released (a revoke, a stop): that partition is given up and
+                # its producer closed, and whoever takes it over next aborts the
+                # transaction with its InitProducerId (if nobody does, the broker after
+                # the transaction timeout; until then read_committed readers of the
+                # outputs wait at it). Aborting there would wait for the broker (up to
+                # 5 s) inside a bounded release: in a revoke, where no heartbeat is sent.
+                if not (isinstance(exc, asyncio.CancelledError) and part.draining):
                     await _abort_quietly(producer)
-                part.txn_ended = self._clock()
-                raise
-            except BaseException:
-                await _abort_quietly(producer)
                 part.txn_ended = self._clock()
                 raise
             await producer.commit_transaction()
@@ -914,6 +901,21 @@ class StreamService:
             deliveries.abandon()
             raise
         return deliveries
+
+    def _retake_rejected(
+        self, part: _Partition, rejected: _Rejected, event: str, reason: str
+    ) -> None:
+        """Say which records the broker refused and how they go out next (``event``), then
+        take the partition over again at once to send them so."""
+        tp = part.tp
+        log.warning(
+            event,
+            topic=tp.topic,
+            partition=tp.partition,
+            offsets=rejected.offsets[:20],
+            error=repr(rejected.error)[:200],
+        )
+        self._reacquire(part, delay=0.0, reason=reason)
 
     def _commit_failed(self, part: _Partition, exc: BaseException) -> None:
         """A request of ``part``'s transaction failed: fenced, or take it over afresh."""
