@@ -217,17 +217,25 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-async def counter_sums(port: int, *names: str) -> dict[str, float]:
-    """Each counter's total over its label sets, from the replica's /metrics."""
+async def metrics_at(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the service's /metrics on ``port``: (name, sorted labels) -> value."""
     async with (
         aiohttp.ClientSession() as session,
         session.get(f"http://127.0.0.1:{port}/metrics") as resp,
     ):
         assert resp.status == 200
         text = await resp.text()
-    sums = dict.fromkeys(names, 0.0)
+    samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name in sums:
-                sums[s.name] += s.value
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+async def counter_sums(port: int, *names: str) -> dict[str, float]:
+    """Each counter's total over its label sets, from the replica's /metrics."""
+    sums = dict.fromkeys(names, 0.0)
+    for (name, _labels), value in (await metrics_at(port)).items():
+        if name in sums:
+            sums[name] += value
     return sums

@@ -9,7 +9,6 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
-from prometheus_client.parser import text_string_to_metric_families
 
 from service.app.runtime import Runtime
 from tests import e2e
@@ -38,15 +37,7 @@ async def wait_processed(runtime: Runtime, n: int, timeout_s: float = 60) -> Non
 
 async def scrape(runtime: Runtime) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     assert runtime.http is not None
-    url = f"http://127.0.0.1:{runtime.http.port}/metrics"
-    async with aiohttp.ClientSession() as session, session.get(url) as resp:
-        assert resp.status == 200
-        text = await resp.text()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples
+    return await e2e.metrics_at(runtime.http.port)
 
 
 def sample(metrics: dict[Any, float], name: str, **labels: str) -> float:

@@ -121,6 +121,11 @@ class Harness:
         await until(lambda: tp in self.service._parts)
         return self.service._parts[tp]
 
+    async def retaken(self, old: Any, tp: TopicPartition = TP0) -> Any:
+        """``tp``'s partition state once it has been taken over again after ``old``."""
+        await until(lambda: self.service._parts.get(tp) not in (None, old))
+        return self.service._parts[tp]
+
     async def stop(self) -> None:
         self.service.request_stop()
         assert self.task is not None
@@ -593,7 +598,7 @@ async def test_a_commit_that_timed_out_but_landed_is_counted_once_on_take_over(
     await until(lambda: broker.commits == 1)
     assert h.counted() == 0  # the engine does not know yet
     broker.commit_delay_s = 0.0
-    await until(lambda: h.service._parts.get(TP0) not in (None, part))  # taken over again
+    await h.retaken(part)
     await until(lambda: h.counted() == 1)
     broker.append(IN, 0, b"k", b"w")
     await until(lambda: len(outputs(broker)) == 2)
@@ -640,7 +645,7 @@ async def test_a_commit_that_timed_out_is_not_counted_when_another_owner_committ
     txn_id = part.producer.txn_id
     broker.epochs[txn_id] += 1  # the other owner's InitProducerId
     broker.committed[("g", TP0)] = OffsetAndMetadata(1, "")
-    await until(lambda: h.service._parts.get(TP0) not in (None, part))  # taken over again
+    await h.retaken(part)
     await asyncio.sleep(0.1)
     await h.stop()
     assert h.counted() == 0
@@ -703,10 +708,7 @@ async def test_a_commit_past_its_timeout_is_aborted_but_a_released_one_is_not(
     broker.offsets_delay_s = 1.5
     broker.append(IN, 0, b"k", b"v")
     await until(lambda: "abort" in part.producer.calls)  # timed out: aborted
-    again = await h.part()
-    while again is part:
-        await asyncio.sleep(0.01)
-        again = await h.part()
+    again = await h.retaken(part)
     broker.offsets_delay_s = 5.0
     broker.append(IN, 0, b"k", b"w")
     await until(lambda: "offsets" in again.producer.calls)
