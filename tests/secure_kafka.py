@@ -23,7 +23,7 @@ from service.app.kafka_access import Acl
 RESOURCE_TYPE = {"Topic": 2, "Group": 3, "Cluster": 4, "TransactionalId": 5}
 PATTERN = {"literal": 3, "prefix": 4}
 OPERATION = {"Read": 3, "Write": 4, "Describe": 8}
-ALLOW = 3
+PERMISSION = {"allow": 3, "deny": 2}
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,17 @@ class SecureKafka:
         finally:
             await admin.close()
 
+    async def group_state(self, group: str) -> tuple[str, int]:
+        """(state, number of members) of a consumer group, as its coordinator sees it."""
+        admin = AIOKafkaAdminClient(**self.admin_args())
+        await admin.start()
+        try:
+            (response,) = await admin.describe_consumer_groups([group])
+            _error, _gid, state, _ptype, _protocol, members, *_ = response.groups[0]
+            return state, len(members)
+        finally:
+            await admin.close()
+
     async def delete_topics(self, names: list[str]) -> None:
         admin = AIOKafkaAdminClient(**self.admin_args())
         await admin.start()
@@ -105,14 +116,17 @@ class SecureKafka:
         finally:
             await client.close()
 
-    async def grant(self, principal: str, acls: list[Acl]) -> None:
-        await self._send([CreateAclsRequest(*_acl_args(principal, a)) for a in acls])
+    async def grant(self, principal: str, acls: list[Acl], permission: str = "allow") -> None:
+        """Add ALLOW rules, or DENY ones (which win over any ALLOW) with ``permission``."""
+        await self._send([CreateAclsRequest(*_acl_args(principal, a, permission)) for a in acls])
 
-    async def revoke(self, principal: str, acls: list[Acl]) -> None:
-        await self._send([DeleteAclsRequest(*_acl_args(principal, a)) for a in acls])
+    async def revoke(self, principal: str, acls: list[Acl], permission: str = "allow") -> None:
+        await self._send([DeleteAclsRequest(*_acl_args(principal, a, permission)) for a in acls])
 
 
-def _acl_args(principal: str, acl: Acl) -> tuple[int, str, int, str, str, int, int]:
+def _acl_args(
+    principal: str, acl: Acl, permission: str
+) -> tuple[int, str, int, str, str, int, int]:
     return (
         RESOURCE_TYPE[acl.resource_type],
         acl.name,
@@ -120,5 +134,5 @@ def _acl_args(principal: str, acl: Acl) -> tuple[int, str, int, str, str, int, i
         principal,
         "*",
         OPERATION[acl.operation],
-        ALLOW,
+        PERMISSION[permission],
     )

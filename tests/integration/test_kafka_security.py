@@ -10,6 +10,7 @@ revokes them again afterwards.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from service.app.config import Config
 from service.app.kafka_access import Acl, required_acls
+from service.stream.consumer import transactional_id_for
 from tests import e2e
 from tests.conftest import REPO, DevStack
 from tests.secure_kafka import SecureKafka
@@ -92,12 +94,16 @@ async def finished(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
     return proc.returncode
 
 
-async def publish_as_admin(sk: SecureKafka, topic: str, records: list[Any]) -> None:
+async def publish_as_admin(
+    sk: SecureKafka, topic: str, records: list[Any], partition: int | None = None
+) -> None:
     producer = AIOKafkaProducer(**sk.admin_args(), acks="all")
     await producer.start()
     try:
         for key, value, headers in records:
-            await producer.send_and_wait(topic, value, key=key, headers=headers)
+            await producer.send_and_wait(
+                topic, value, key=key, headers=headers, partition=partition
+            )
     finally:
         await producer.stop()
 
@@ -371,4 +377,132 @@ async def test_readiness_follows_revoked_and_restored_acls(
             code = await finished(service, 40)
         assert code == 0, log.read_text()[-3000:]
     finally:
+        await secure_kafka.revoke(who, acls)
+
+
+def log_events(log: Path, event: str) -> list[dict[str, Any]]:
+    """The JSON log lines of ``event`` (aiokafka's plain lines are skipped)."""
+    found = []
+    for line in log.read_text(errors="replace").splitlines():
+        if f'"event":"{event}"' in line:
+            found.append(json.loads(line))
+    return found
+
+
+async def test_a_take_over_refused_past_the_session_timeout_holds_neither_group_nor_others(
+    secure_kafka: SecureKafka,
+    devstack: DevStack,
+    clean_k8s: Any,
+    topics: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """Partition 1's transactional id denied (a DENY ACL wins over the prefixed ALLOW): its
+    take-over fails for longer than the session timeout, as one waiting for a transaction
+    coordinator still loading after a broker restart does. aiokafka sends no heartbeat
+    while the assignment callback runs, so the take-over must go on outside it: the
+    replica stays in its group (one assignment, no revoke over two session timeouts) and
+    partition 0's events flow meanwhile. A second replica (another process) joins: the
+    take-overs under way are revoked and called off, and the DENY lifted, partition 1 is
+    taken over exactly once (a take-over left running after its revoke would take it over
+    too, fencing the new owner), every input out once."""
+    session_s = 6
+    env = {
+        **service_env(secure_kafka, "sasl", topics, devstack),
+        "CRS_RETRY_BACKOFF_MAX_S": "1",
+        "CRS_SESSION_TIMEOUT_MS": str(session_s * 1000),
+        "CRS_REVOKE_WAIT_S": "2",
+    }
+    cfg = Config.load(env=env)
+    acls = required_acls(cfg)
+    who = principal(secure_kafka, "sasl")
+    p1 = TopicPartition(topics["input"], 1)
+    txn_id = transactional_id_for(cfg.effective_transactional_id_prefix, p1)
+    denied = [Acl("TransactionalId", txn_id, "literal", "Write")]
+    ports = [e2e.free_port(), e2e.free_port()]
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+
+    def events(n: int) -> list[Any]:
+        return [e2e.good_record(*e2e.outcome(None, ["hv-3"], project="p3")) for _ in range(n)]
+
+    def vms(records: list[Any]) -> list[str]:
+        return sorted(key.decode() for key, _, _ in records)
+
+    def out_vms(records: list[ConsumerRecord]) -> list[str]:
+        return sorted(e2e.data_of(r)["instance_uuid"] for r in records)
+
+    async def until_logged(i: int, event: str, n: int = 1) -> None:
+        deadline = time.monotonic() + 60
+        while len([e for e in log_events(logs[i], event) if e["partitions"]]) < n:
+            assert time.monotonic() < deadline, f"{event} x{n}\n{logs[i].read_text()[-3000:]}"
+            assert replicas[i].poll() is None, logs[i].read_text()[-3000:]
+            await asyncio.sleep(0.2)
+
+    await secure_kafka.grant(who, acls)
+    await secure_kafka.grant(who, denied, "deny")
+    replicas: list[subprocess.Popen[bytes]] = []
+    published: list[Any] = []
+    try:
+        await e2e.seed_region(clean_k8s)
+        for p in (0, 1):
+            batch = events(5)
+            await publish_as_admin(secure_kafka, topics["input"], batch, partition=p)
+            published += batch
+        replicas.append(crs("run", {**env, "CRS_HTTP_PORT": str(ports[0])}, logs[0]))
+        try:
+            # Partition 0 goes on while partition 1 cannot be taken over.
+            out = await read_as_admin(secure_kafka, topics["output"], 5)
+            assert out_vms(out) == vms(published[:5]), logs[0].read_text()[-3000:]
+            await until_ready_is(ports[0], 503, "cannot take partition over", replicas[0], logs[0])
+            await asyncio.sleep(2 * session_s)
+            assert await secure_kafka.group_state(cfg.group_id) == ("Stable", 1)
+            assert len(log_events(logs[0], "partitions_assigned")) == 1, logs[0].read_text()[-3000:]
+            # (A member's first join revokes nothing and logs an empty revoke.)
+            assert not [e for e in log_events(logs[0], "partitions_revoking") if e["partitions"]]
+            failed = log_events(logs[0], "partition_acquire_failed")
+            assert len(failed) >= 5, failed
+            assert {f["partition"] for f in failed} == {1}, failed
+            # Still a member serving partition 0, two session timeouts later.
+            batch = events(3)
+            await publish_as_admin(secure_kafka, topics["input"], batch, partition=0)
+            published += batch
+            out = await read_as_admin(secure_kafka, topics["output"], 8)
+            assert len(out) == 8, logs[0].read_text()[-3000:]
+
+            replicas.append(crs("run", {**env, "CRS_HTTP_PORT": str(ports[1])}, logs[1]))
+            await until_logged(0, "partitions_revoking")
+            await until_logged(1, "partitions_assigned")
+            await until_logged(0, "partitions_assigned", 2)
+            for p in (0, 1):
+                batch = events(3)
+                await publish_as_admin(secure_kafka, topics["input"], batch, partition=p)
+                published += batch
+            await asyncio.sleep(2)  # partition 1's new take-over refused too, retrying
+            assert not [
+                e
+                for log in logs
+                for e in log_events(log, "partition_acquired")
+                if e["partition"] == 1
+            ]
+            await secure_kafka.revoke(who, denied, "deny")
+
+            out = await read_as_admin(secure_kafka, topics["output"], len(published))
+            assert out_vms(out) == vms(published), [log.read_text()[-2000:] for log in logs]
+            for i, port in enumerate(ports):
+                await until_ready_is(port, 200, "assigned", replicas[i], logs[i])
+            extra = await read_as_admin(
+                secure_kafka, topics["output"], len(published) + 1, timeout_s=3
+            )
+            assert len(extra) == len(published)
+        finally:
+            for replica in replicas:
+                replica.terminate()
+            codes = [await finished(replica, 40) for replica in replicas]
+        taken_over = [
+            e for log in logs for e in log_events(log, "partition_acquired") if e["partition"] == 1
+        ]
+        assert len(taken_over) == 1, taken_over
+        assert not [e for log in logs for e in log_events(log, "partition_fenced")]
+        assert codes == [0, 0], [log.read_text()[-3000:] for log in logs]
+    finally:
+        await secure_kafka.revoke(who, denied, "deny")
         await secure_kafka.revoke(who, acls)
