@@ -19,7 +19,9 @@ Two mechanisms give the typed models the same behaviour:
   Kubernetes decoder (:func:`service.model.from_k8s`) uses it only after a strict decode
   failed, so the common case (no nulls) stays a single C-level decode.
 
-Type mismatches stay errors, as in Go (``"vcpus": "4"`` or ``-1`` for a ``uint64``).
+Type mismatches stay errors, as in Go (``"vcpus": "4"`` or ``-1`` for a ``uint64``), and
+so do numbers wider than the Go field: :data:`Uint64` and :data:`Int64` carry the bounds
+that ``encoding/json`` enforces (``UnmarshalTypeError`` beyond them).
 """
 
 from __future__ import annotations
@@ -30,9 +32,23 @@ from typing import TYPE_CHECKING, Annotated, Any, Final, TypeVar
 import msgspec
 import msgspec.inspect as mi
 
-__all__ = ["GO_NULL", "GoNull", "zero_nulls"]
+__all__ = ["GO_NULL", "UINT64_MAX", "GoNull", "Int64", "Uint64", "check_uint64", "zero_nulls"]
 
 T = TypeVar("T")
+
+# Go's integer widths (int is 64 bits on the platforms the reference runs on). msgspec
+# takes no bound beyond int64, so a struct with Uint64 fields calls check_uint64 on them in
+# its __post_init__ (a ValueError there is a ValidationError of the decode).
+UINT64_MAX: Final = 2**64 - 1
+Uint64 = Annotated[int, msgspec.Meta(ge=0, extra_json_schema={"maximum": UINT64_MAX})]
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+
+
+def check_uint64(*values: int | None) -> None:
+    """Refuse what ``encoding/json`` refuses for a ``uint64`` field: a number above 2^64 - 1."""
+    for value in values:
+        if value is not None and value > UINT64_MAX:
+            raise ValueError("number overflows uint64")  # not the number: it may be huge
 
 
 class _GoNullMarker:

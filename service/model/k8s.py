@@ -8,10 +8,11 @@ Resource maps are ``dict[str, Quantity]``: the API server sends int-or-string va
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Final
+from typing import Any, Final
 
 import msgspec
 
+from service.model.gonull import Uint64, check_uint64
 from service.model.meta import Condition, K8sStruct, ObjectMeta
 from service.quantity import ZERO, Quantity
 
@@ -39,7 +40,6 @@ LABEL_RESERVATION_TYPE: Final = "reservations.cortex.cloud/type"
 RESERVATION_TYPE_COMMITTED_RESOURCE: Final = "committed-resource"
 
 ResourceMap = dict[str, Quantity]
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
 # --- Hypervisor (kvm.cloud.sap/v1) ---------------------------------------------------
@@ -162,13 +162,17 @@ class Knowledge(K8sStruct, frozen=True):
 
 
 class FlavorInGroup(K8sStruct, frozen=True):
-    # Go declares these uint64: a negative number makes the whole payload invalid there.
+    # Go declares these uint64: a negative number or one above 2^64 - 1 makes the whole
+    # payload invalid there.
     name: str = ""
-    vcpus: NonNegative = 0
-    memory_mb: NonNegative = msgspec.field(default=0, name="memoryMB")
-    disk_gb: NonNegative = msgspec.field(default=0, name="diskGB")
-    ephemeral_gb: NonNegative = msgspec.field(default=0, name="ephemeralGB")
+    vcpus: Uint64 = 0
+    memory_mb: Uint64 = msgspec.field(default=0, name="memoryMB")
+    disk_gb: Uint64 = msgspec.field(default=0, name="diskGB")
+    ephemeral_gb: Uint64 = msgspec.field(default=0, name="ephemeralGB")
     extra_specs: dict[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        check_uint64(self.vcpus, self.memory_mb, self.disk_gb, self.ephemeral_gb)
 
 
 class FlavorGroupFeature(K8sStruct, frozen=True):
@@ -176,6 +180,9 @@ class FlavorGroupFeature(K8sStruct, frozen=True):
     flavors: list[FlavorInGroup] = []
     largest_flavor: FlavorInGroup = msgspec.field(default_factory=FlavorInGroup)
     smallest_flavor: FlavorInGroup = msgspec.field(default_factory=FlavorInGroup)
-    ram_core_ratio: NonNegative | None = None
-    ram_core_ratio_min: NonNegative | None = None
-    ram_core_ratio_max: NonNegative | None = None
+    ram_core_ratio: Uint64 | None = None
+    ram_core_ratio_min: Uint64 | None = None
+    ram_core_ratio_max: Uint64 | None = None
+
+    def __post_init__(self) -> None:
+        check_uint64(self.ram_core_ratio, self.ram_core_ratio_min, self.ram_core_ratio_max)

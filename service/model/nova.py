@@ -8,12 +8,12 @@ needs is declared; everything else in the (large) request spec is ignored on dec
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 from msgspec.structs import force_setattr
 
-from service.model.gonull import GoNull
+from service.model.gonull import GoNull, Int64, Uint64, check_uint64
 
 __all__ = [
     "Decision",
@@ -56,19 +56,15 @@ class NovaObject(_NovaStruct, Generic[T], frozen=True):
     changes: list[str | None] | None = msgspec.field(default=None, name="nova_object.changes")
 
 
-# Go declares these uint64: a negative number fails the whole request there.
-Unsigned = Annotated[int, msgspec.Meta(ge=0)]
-
-
 class NovaFlavor(_NovaStruct, frozen=True):
     name: GoNull[str] = ""
-    memory_mb: GoNull[Unsigned] = 0
-    vcpus: GoNull[Unsigned] = 0
-    root_gb: GoNull[Unsigned] = 0
-    ephemeral_gb: GoNull[Unsigned] = 0
-    swap: GoNull[int] = 0
+    memory_mb: GoNull[Uint64] = 0
+    vcpus: GoNull[Uint64] = 0
+    root_gb: GoNull[Uint64] = 0
+    ephemeral_gb: GoNull[Uint64] = 0
+    swap: GoNull[Int64] = 0
     flavorid: str | None = None
-    id: int | None = None
+    id: Int64 | None = None
     extra_specs: dict[str, str | None] | None = None
 
     def __post_init__(self) -> None:
@@ -85,6 +81,7 @@ class NovaFlavor(_NovaStruct, frozen=True):
                     force_setattr(self, field, zero)
         if _is_null(self.swap):
             force_setattr(self, "swap", 0)
+        check_uint64(self.memory_mb, self.vcpus, self.root_gb, self.ephemeral_gb)
 
 
 class NovaSpec(_NovaStruct, frozen=True):
@@ -92,7 +89,7 @@ class NovaSpec(_NovaStruct, frozen=True):
     user_id: str | None = None
     instance_uuid: GoNull[str] = ""
     availability_zone: str | None = None
-    num_instances: GoNull[Unsigned] = 0
+    num_instances: GoNull[Uint64] = 0
     # Values are a string or a one-element list, depending on the Nova code path.
     scheduler_hints: dict[str, Any] | None = None
     flavor: NovaObject[NovaFlavor] | None = None
@@ -107,6 +104,7 @@ class NovaSpec(_NovaStruct, frozen=True):
             force_setattr(self, "instance_uuid", "")
         if _is_null(self.num_instances):
             force_setattr(self, "num_instances", 0)
+        check_uint64(self.num_instances)
         if self.flavor is not None and _is_null(self.flavor.data):
             force_setattr(self.flavor, "data", NovaFlavor())
 

@@ -354,6 +354,9 @@ TYPE_ERRORS = [
     pytest.param({"features": [{"name": 5}]}, id="name-not-a-string"),
     pytest.param({"features": [{"flavors": [{"vcpus": -1}]}]}, id="negative-uint64"),
     pytest.param({"features": [{"flavors": [{"memoryMB": 1.5}]}]}, id="fraction-uint64"),
+    # encoding/json refuses a number that does not fit the Go field's width.
+    pytest.param({"features": [{"flavors": [{"memoryMB": 2**64}]}]}, id="overflow-uint64"),
+    pytest.param({"features": [{"ramCoreRatio": 2**64}]}, id="overflow-ratio"),
     pytest.param({"features": [{"flavors": {"name": "x"}}]}, id="flavors-not-a-list"),
     pytest.param({"features": [{"ramCoreRatio": "4"}]}, id="ratio-not-a-number"),
     pytest.param({"features": [7]}, id="feature-not-an-object"),
@@ -521,6 +524,46 @@ def test_type_mismatches_in_the_request_are_still_dead_lettered() -> None:
     body["spec"]["nova_object.data"]["flavor"]["nova_object.data"]["vcpus"] = -2  # uint64
     assert _classify_outcome({"decision": nova.decision_dict(None), "request": body})[0] == (
         "dead-letter"
+    )
+
+
+# encoding/json refuses a number wider than the Go field (UnmarshalTypeError): uint64
+# flavor sizes and num_instances, int (64-bit) swap and id.
+OVERFLOWS = [
+    ("flavor", "memory_mb", 2**64),
+    ("flavor", "vcpus", 2**64),
+    ("flavor", "root_gb", 2**64),
+    ("flavor", "ephemeral_gb", 2**64),
+    ("flavor", "swap", 2**63),
+    ("flavor", "swap", -(2**63) - 1),
+    ("flavor", "id", 2**63),
+    ("spec", "num_instances", 2**64),
+]
+
+
+@pytest.mark.parametrize(("where", "field", "value"), OVERFLOWS)
+def test_numbers_wider_than_the_go_field_are_dead_lettered(
+    where: str, field: str, value: int
+) -> None:
+    body = nova.request("vm-1", project_id=P, flavor_name="f-small")
+    spec = body["spec"]["nova_object.data"]
+    (spec["flavor"]["nova_object.data"] if where == "flavor" else spec)[field] = value
+    assert _classify_outcome({"decision": nova.decision_dict(None), "request": body})[0] == (
+        "dead-letter"
+    )
+
+
+@pytest.mark.parametrize(("where", "field", "value"), OVERFLOWS)
+def test_the_widest_number_the_go_field_holds_is_decoded(
+    where: str, field: str, value: int
+) -> None:
+    body = nova.request("vm-1", project_id=P, flavor_name="f-small")
+    spec = body["spec"]["nova_object.data"]
+    (spec["flavor"]["nova_object.data"] if where == "flavor" else spec)[field] = (
+        value - 1 if value > 0 else value + 1
+    )
+    assert _classify_outcome({"decision": nova.decision_dict(None), "request": body})[0] == (
+        "no_host_found"
     )
 
 
