@@ -475,6 +475,13 @@ class KubeClient:
                     raise
                 restarts += 1
                 _log.warning("list continue token expired, restarting", kind=kind.plural)
+            except NotFoundError as exc:
+                # A collection is never absent: a 404 means the kind is not served (its
+                # CRD not installed yet, or not registered again after an API server
+                # restart). Waiting can fix that, so it is an outage, not the event's fault.
+                raise UnavailableError(
+                    f"{exc} (kind not served)", status=404, kind=kind.plural
+                ) from exc
 
     def watch(
         self,

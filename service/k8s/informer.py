@@ -17,7 +17,13 @@ How each edge of the protocol is handled:
   stream silent for ``idle_timeout_s`` (presumed dead: the server sends a BOOKMARK
   about every minute even on a quiet kind): keep the resourceVersion, wait a capped,
   jittered exponential back-off, watch again. No LIST: the server replays everything
-  after that resourceVersion. A LIST that fails is retried the same way.
+  after that resourceVersion. A LIST that fails is retried the same way, and so is a
+  relist after repeated 410s (only the first is immediate).
+* **Up and alive** (``down_for``, ``silent_for``; readiness and the stale bound use
+  them): a LIST, an event or BOOKMARK, and a watch the server ended as asked are signs
+  of life. A watch that opened and failed before delivering anything was not up: the
+  outage it interrupted goes on, so a server that answers every watch with 200 and then
+  an ERROR shows as down, not as a healthy watch reconnecting.
 
 Callers see only :class:`~service.crs.ports.ApiError` types; a bug in a handler is
 logged and the informer keeps going (with back-off) instead of dying silently.
@@ -161,6 +167,11 @@ class Informer(Generic[T]):
         # BOOKMARK. A half-open connection to a frozen server keeps the watch
         # "connected" while this ages; readiness uses it.
         self._last_activity = clock()
+        # A watch's opening counts as up and alive only provisionally: one that fails
+        # before it delivers anything (and within _HEALTHY_WATCH_S) was neither, and
+        # these clocks go back to where they were before it opened.
+        self._before_up = (self._last_activity, self._down_since)
+        self._delivered = False
         # Plain counters for diagnostics and tests (the request metrics are the client's).
         self.lists = 0
         self.watches = 0
@@ -263,13 +274,15 @@ class Informer(Generic[T]):
             delay = 0.0
             try:
                 if need_list:
+                    # attempt is not reset here: a LIST that succeeds does not make the
+                    # watch after it healthy (expiring again and again must back off).
                     await self._list()
                     need_list = False
-                    attempt = 0
                 started = self._clock()
                 events = await self._watch()
-                self._mark_down("watch ended")
-                if events == 0 and self._clock() - started < 1.0:
+                spun = events == 0 and self._clock() - started < 1.0
+                self._mark_down("watch ended", renewal=not spun)
+                if spun:
                     # An empty stream that ended at once: do not spin on such a server.
                     delay = self._backoff(attempt)
                     attempt += 1
@@ -314,13 +327,23 @@ class Informer(Generic[T]):
         return attempt
 
     def _mark_up(self) -> None:
+        self._before_up = (self._last_activity, self._down_since)
+        self._delivered = False
         self._connected_since = self._last_activity = self._clock()
         self._last_error = ""
 
-    def _mark_down(self, error: str) -> None:
-        if self._connected_since is not None:
+    def _mark_down(self, error: str, *, renewal: bool = False) -> None:
+        """The watch is no longer open; ``renewal``: the server ended it as asked."""
+        since = self._connected_since
+        if since is not None:
             self._connected_since = None
-            self._down_since = self._clock()
+            now = self._clock()
+            if renewal or self._delivered or now - since >= _HEALTHY_WATCH_S:
+                self._down_since = now
+            else:
+                # Opened and failed with nothing delivered (an ERROR event right after
+                # the 200, a server ending every stream at once): the outage goes on.
+                self._last_activity, self._down_since = self._before_up
         self._last_error = error[:_MESSAGE_LIMIT]
 
     async def _list(self) -> None:
@@ -389,6 +412,7 @@ class Informer(Generic[T]):
 
     def _handle(self, event: WatchEvent[T]) -> None:
         self._last_activity = self._clock()
+        self._delivered = True
         rv = event.resource_version
         if event.type == "BOOKMARK":
             if rv:

@@ -32,7 +32,7 @@ from service.k8s import (
     KubeClient,
     ListClusterState,
 )
-from service.k8s.client import WatchEvent
+from service.k8s.client import ResourceKind, WatchEvent
 from service.k8s.errors import ResourceExpiredError
 from service.model import CommittedResource, Reservation
 from tests import factories as f
@@ -204,6 +204,22 @@ async def test_get_missing_is_none_or_not_found(kube: tuple[KubeClient, Any]) ->
     assert exc.value.kind == "reservations"
     assert requests(registry, "get", "reservations", "404") == 2
     assert requests(registry, "get", "knowledges", "404") == 1
+
+
+async def test_a_list_of_a_kind_not_served_is_unavailable_not_not_found(
+    kube: tuple[KubeClient, Any],
+) -> None:
+    # A collection is never "absent": a 404 means its CRD is not installed (yet) or not
+    # registered again after an API server restart. Waiting can fix that; dead-lettering
+    # the event as k8s_error (what a NotFoundError leads to in list mode) cannot.
+    kc, registry = kube
+    kind = ResourceKind("cortex.cloud", "v1alpha1", "notservedyets")
+    with pytest.raises(UnavailableError) as exc:
+        await kc.list_objects(kind, Reservation)
+    assert not isinstance(exc.value, NotFoundError)
+    assert exc.value.retryable
+    assert exc.value.status == 404
+    assert requests(registry, "list", "notservedyets", "404") == 1
 
 
 async def test_patch_allocation_is_guarded_by_resource_version(

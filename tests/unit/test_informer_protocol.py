@@ -370,6 +370,72 @@ async def test_a_failing_list_is_retried_with_back_off_before_any_watch(make: Ma
     assert 0.5 <= run.slept[0] <= 1.0
 
 
+async def test_relists_after_repeated_expiries_back_off(make: Make) -> None:
+    # A LIST slower than the server's watch window: each relist's resourceVersion has
+    # expired by the time the watch opens. Only the first relist is immediate; the rest
+    # back off (a successful LIST alone does not make the watch healthy again).
+    n = 4
+    server = Scripted(
+        lists=[ListResult([thing("a", 5)], str(10 + i)) for i in range(n + 1)],
+        watches=[
+            *[ResourceExpiredError("watch things: too old", status=410) for _ in range(n)],
+            [HANG],
+        ],
+    )
+    run = make(server)
+    await until(lambda: run.informer.lists == n + 1 and run.informer.connected, "the relists")
+    assert run.slept[0] == 0.0
+    assert all(delay >= 0.5 for delay in run.slept[1:]), run.slept
+    assert len(run.slept) == n
+
+
+async def test_a_watch_that_fails_as_soon_as_it_opens_does_not_end_the_outage(
+    make: Make,
+) -> None:
+    # Every watch is answered 200 and then an ERROR event (a server that cannot serve
+    # the resourceVersion, a broken aggregation layer): no event ever reaches the cache.
+    # Opening such a watch is no sign of life: the cache must be seen down and silent.
+    n = 8
+    broken = [[UnavailableError("watch things: internal error", status=500)] for _ in range(n)]
+    server = Scripted(lists=[ListResult([thing("a", 5)], "10")], watches=[*broken, [HANG]])
+    run = make(server)
+    inf = run.informer
+    seen: list[tuple[float, float, float]] = []  # (time slept so far, down, silent)
+    sleep = inf._sleep
+
+    async def probing(seconds: float) -> None:
+        await sleep(seconds)
+        seen.append((sum(run.slept), inf.down_for(), inf.silent_for()))
+
+    inf._sleep = probing
+    await until(lambda: len(server.watch_from) == n + 1 and inf.connected, "the retries")
+    total, down, silent = seen[-1]
+    assert total > 30, seen  # minutes of back-off without one event delivered
+    assert down >= total - 1e-6, seen
+    assert silent >= total - 1e-6, seen
+    assert inf.down_for() == 0.0  # the last watch is up
+
+
+async def test_a_watch_that_delivered_then_failed_restarts_the_down_clock(make: Make) -> None:
+    release = asyncio.Event()
+    server = Scripted(
+        lists=[ListResult([], "10")],
+        watches=[
+            [event("ADDED", thing("a", 11)), release, UnavailableError("reset")],
+            [HANG],
+        ],
+    )
+    run = make(server)
+    inf = run.informer
+    await until(lambda: inf.events == 1, "the event")
+    run.clock.now += 5.0
+    release.set()
+    await until(lambda: len(server.watch_from) == 2, "the re-watch")
+    # Down since the failure (the back-off), not since before the watch opened.
+    assert run.slept[0] <= 1.0
+    assert inf.silent_for() <= 5.0 + run.slept[0]
+
+
 # --- silence: readiness signal and idle bound ----------------------------------------------------
 
 
