@@ -320,10 +320,12 @@ class StreamService:
         self._oversized: dict[TopicPartition, set[int]] = {}
         # Offsets whose outputs the broker refused in a batch of several: sent alone next.
         self._alone: dict[TopicPartition, set[int]] = {}
-        # The last commit of a partition that failed without a known outcome (a timeout:
-        # aiokafka shields EndTxn, so it may land after all), with the (producer id,
-        # epoch) that sent it. Nobody processes those records again if it landed, so its
-        # counts are applied when the take-over proves it did (see _acquire).
+        # The last commit of a partition that failed without a known outcome (a timeout,
+        # or cut short by a revoke: aiokafka shields EndTxn, so it may land after all),
+        # with the (producer id, epoch) that sent it. Nobody processes those records again
+        # if it landed, so its counts are applied when this replica's next take-over of
+        # the partition proves it did (see _acquire and _landed); kept across revokes, as
+        # an eager rebalance often gives the same partition back.
         self._unsure: dict[TopicPartition, tuple[CommitPlan[_Done], tuple[int, int]]] = {}
         self._stopping = asyncio.Event()
         self._capacity = asyncio.Event()  # a backpressured partition has room again
@@ -797,9 +799,11 @@ class StreamService:
             # Cut short (the shutdown budget, a drop): aiokafka shields the EndTxn, so
             # the transaction may commit all the same. With its outcome unknown nothing of
             # this part may be committed again; whoever takes the partition over next
-            # starts from what the broker has. (Not remembered for counting: the
-            # partition is being given up, and a later take-over could not tell this
-            # commit from another owner's.)
+            # starts from what the broker has, and counts it if that is this replica with
+            # nobody in between (a revoke that gives the partition back).
+            sender = _producer_identity(part.producer)
+            if sender is not None:
+                self._unsure[tp] = (plan, sender)
             part.closed = True
             raise
         part.ledger.committed(plan)
@@ -809,8 +813,7 @@ class StreamService:
         self.processed += len(plan.items)
         self._committed[tp] = plan.offset
         self._failures.pop(tp, None)
-        if self._stalled.pop(tp, None) is not None:
-            self._metrics.stalled.labels(tp.topic, str(tp.partition)).set(0)
+        self._clear_stall(tp)
         self._metrics.commit.observe(time.perf_counter() - started)
         self._metrics.in_flight.labels(tp.topic, str(tp.partition)).set(part.ledger.in_flight)
         if part.backpressured and part.ledger.in_flight < self._s.max_in_flight // 2:
@@ -983,7 +986,6 @@ class StreamService:
             self._failures.pop(tp, None)
             self._oversized.pop(tp, None)
             self._alone.pop(tp, None)
-            self._unsure.pop(tp, None)
             self._metrics.forget_partition(tp.topic, tp.partition)
         self._metrics.assigned.set(len(self._assigned))
         log.info("partitions_revoked", partitions=sorted(tp.partition for tp in revoked))
@@ -1052,6 +1054,10 @@ class StreamService:
             plan = unsure[0]
             deferred.apply(done.counts for _, done in plan.items)
             self.processed += len(plan.items)
+            # A commit that succeeded after all: the failures it was counted among (and
+            # a "commit failing" stall) are over, as after any successful commit.
+            self._failures.pop(tp, None)
+            self._clear_stall(tp)
             log.info(
                 "commit_found_landed",
                 topic=tp.topic,
@@ -1192,6 +1198,15 @@ class StreamService:
         part.closed = True
         if self._parts.get(tp) is part:
             del self._parts[tp]
+        if tp not in self._assigned:
+            # Revoked (a revoke's last commit failed or found the producer fenced): its
+            # release drops the part, and there is nothing to take over. A delayed
+            # re-acquisition here would sit in _acquiring, so the rebalance that gives
+            # the partition back would skip it and wait out this delay.
+            dropping = asyncio.create_task(self._drop(part, close_later=True))
+            self._background.add(dropping)
+            dropping.add_done_callback(self._background.discard)
+            return
         if tp in self._consumer.assignment():
             self._consumer.pause(tp)
 
@@ -1231,6 +1246,10 @@ class StreamService:
     def _mark_stalled(self, tp: TopicPartition, why: str) -> None:
         self._stalled[tp] = why
         self._metrics.stalled.labels(tp.topic, str(tp.partition)).set(1)
+
+    def _clear_stall(self, tp: TopicPartition) -> None:
+        if self._stalled.pop(tp, None) is not None:
+            self._metrics.stalled.labels(tp.topic, str(tp.partition)).set(0)
 
     # ------------------------------------------------------------------ helpers
 

@@ -367,6 +367,26 @@ async def check_allocations(api: Any, w: Workload) -> None:
 # --------------------------------------------------------------------------- tests
 
 
+def slow_take_overs(log: str, limit_s: float) -> dict[int, float | None]:
+    """Partitions of a replica's last assignment not taken over within ``limit_s``
+    (seconds from partitions_assigned to partition_acquired; None: never)."""
+    lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    assigned = [
+        i
+        for i, e in enumerate(lines)
+        if e.get("event") == "partitions_assigned" and e["partitions"]
+    ]
+    if not assigned:
+        return {}
+    start = lines[assigned[-1]]
+    at = datetime.fromisoformat(start["timestamp"])
+    took: dict[int, float | None] = dict.fromkeys(start["partitions"])
+    for e in lines[assigned[-1] :]:
+        if e.get("event") == "partition_acquired" and e["partition"] in took:
+            took[e["partition"]] = (datetime.fromisoformat(e["timestamp"]) - at).total_seconds()
+    return {p: t for p, t in took.items() if t is None or t > limit_s}
+
+
 async def test_frozen_replica_past_its_session_commits_nothing_twice(
     devstack: DevStack,
     clean_k8s: Any,
@@ -413,7 +433,15 @@ async def test_frozen_replica_past_its_session_commits_nothing_twice(
     ends, outputs, dead = await results(boot, topics, partitions, w, replicas, 90)
     names = ("crs_events_total", "crs_dead_letters_total")
     counted = [await e2e.counter_sums(port, *names) for port in ports.values()]
+    # The zombie takes the partitions its rejoin gave it over at once, not after the
+    # fence re-check (15 s) that its revoke's fenced commit used to leave pending.
+    deadline = time.monotonic() + 10
+    while late := slow_take_overs((replicas.log_dir / "a.log").read_text(), limit_s=5.0):
+        if time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)
     codes = replicas.stop_all()
+    assert not late, f"partitions taken over late (s): {late}"
     check_exactly_once(outputs, dead, ends, w)
     await check_allocations(clean_k8s, w)
     committed = await committed_offsets(boot, group, topics["input"])

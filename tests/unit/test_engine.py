@@ -608,6 +608,109 @@ async def test_a_commit_that_timed_out_but_landed_is_counted_once_on_take_over(
     assert h.processor.calls == [(0, 0), (0, 1)]
 
 
+async def test_a_landed_commit_is_counted_when_a_rebalance_gives_the_partition_back(
+    broker: FakeBroker,
+) -> None:
+    # The commit times out and lands; before the re-acquisition's back-off ends, an eager
+    # rebalance revokes the partition and gives it back. The take-over (epoch exactly +1:
+    # nobody else initialised the id) must still know the commit was this member's, or
+    # its event is published and counted by nobody.
+    h = Harness(broker, commit_timeout_s=0.1, retry_backoff_s=1.0, retry_backoff_max_s=1.0)
+    await h.start(TP0)
+    part = await h.part()
+    broker.commit_delay_s = 0.2
+    broker.append(IN, 0, b"k", b"v")
+    await until(lambda: broker.commits == 1)  # landed after the timeout
+    broker.commit_delay_s = 0.0
+    await h.consumer.assign([TP0])  # revoked, and given back
+    await h.retaken(part)
+    await until(lambda: h.counted() == 1)
+    await h.stop()
+    assert outputs(broker) == [b"v"]
+    assert h.processor.calls == [(0, 0)]  # not redone
+
+
+async def test_a_commit_cut_short_by_a_revoke_is_counted_when_the_partition_comes_back(
+    broker: FakeBroker,
+) -> None:
+    # The revoke's last commit outlives the revoke's bound and lands. Given back with
+    # nobody in between, the take-over finds exactly that commit: counted then, once.
+    h = Harness(broker, commit_interval_ms=60_000, commit_burst=1, revoke_commit_s=0.1)
+    broker.append(IN, 0, b"a", b"a0")
+    await h.start(TP0)
+    await until(lambda: outputs(broker) == [b"a0"])  # spends the only token
+    broker.append(IN, 0, b"b", b"b0")
+    await until(lambda: h.service._parts[TP0].ledger.done_uncommitted == 1)
+    broker.commit_delay_s = 0.3
+    broker.init_delay_s = 0.5  # the take-over's InitProducerId waits for the EndTxn
+    await h.consumer.assign([TP0])  # revoke (its commit cut short, landing later) + assign
+    await until(lambda: outputs(broker) == [b"a0", b"b0"])
+    broker.commit_delay_s = broker.init_delay_s = 0.0
+    await until(lambda: TP0 in h.service._parts)
+    await until(lambda: h.counted() == 2)
+    await h.stop()
+    assert h.processor.calls == [(0, 0), (0, 1)]  # not redone
+
+
+async def test_landed_commits_clear_the_commit_stall_of_a_quiet_partition(
+    broker: FakeBroker,
+) -> None:
+    # Three commits outlive commit_timeout_s and land; each take-over proves it and
+    # counts it. Nothing is left to commit, so no later commit would clear "commit
+    # failing": the landed commits themselves must, or /readyz stays 503 on a healthy
+    # partition until new input arrives.
+    h = Harness(broker, commit_timeout_s=0.1, retry_backoff_s=0.3, retry_backoff_max_s=0.3)
+    await h.start(TP0)
+    part = await h.part()
+    broker.commit_delay_s = 0.2
+    for i in range(3):
+        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+        await until(lambda n=i + 1: broker.commits == n)
+        part = await h.retaken(part)
+        await until(lambda n=i + 1: h.counted() == n)
+    broker.commit_delay_s = 0.0
+    stalled = h.service.stalled()
+    await h.stop()
+    assert outputs(broker) == [b"v0", b"v1", b"v2"]
+    assert stalled == {}, stalled
+
+
+@pytest.mark.parametrize("failure", ["commit failed", "fenced"])
+async def test_a_partition_given_back_after_its_revoke_commit_failed_is_taken_over_at_once(
+    broker: FakeBroker, failure: str
+) -> None:
+    # The revoke's last commit fails (broker trouble, or fenced: a zombie woken from a
+    # SIGSTOP is revoked first by its rejoin). The failure must not leave a delayed
+    # re-acquisition behind: the eager rebalance gives the same partition back, and a
+    # take-over still pending would make the assignment skip it for its back-off.
+    h = Harness(
+        broker,
+        commit_interval_ms=60_000,
+        commit_burst=1,
+        retry_backoff_s=1.5,
+        retry_backoff_max_s=1.5,
+        fence_recheck_s=1.5,
+    )
+    broker.append(IN, 0, b"a", b"a0")
+    await h.start(TP0)
+    await until(lambda: outputs(broker) == [b"a0"])  # spends the only token
+    broker.append(IN, 0, b"b", b"b0")
+    await until(lambda: h.service._parts[TP0].ledger.done_uncommitted == 1)
+    if failure == "fenced":
+        other = FakeProducer(broker, transactional_id=transactional_id_for("g", TP0))
+        await other.start()  # the member that took the partition over meanwhile
+        await other.stop()
+    else:
+        broker.fail_commits = 1
+    await h.consumer.assign([TP0])
+    started = time.monotonic()
+    await until(lambda: TP0 in h.service._parts, limit_s=5)
+    waited = time.monotonic() - started
+    await until(lambda: outputs(broker) == [b"a0", b"b0"])
+    await h.stop()
+    assert waited < 0.5, f"taken over again only after {waited:.2f}s"
+
+
 async def test_a_commit_that_timed_out_and_failed_counts_only_its_redo(
     broker: FakeBroker,
 ) -> None:
