@@ -203,6 +203,7 @@ class FakeConsumer:
         self.asked: list[set[TopicPartition]] = []  # the partitions each getmany asked for
         self.asked_at: list[float] = []  # when (time.monotonic)
         self.returned: list[tuple[float, int]] = []  # (when, records) of each getmany
+        self._lso: dict[TopicPartition, int] = {}
 
     async def start(self) -> None:
         pass
@@ -241,8 +242,10 @@ class FakeConsumer:
     async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
         return {tp: len(self.broker.logs.get(tp, [])) for tp in tps}
 
-    def last_stable_offset(self, tp: TopicPartition) -> int:
-        return len(self.broker.logs.get(tp, []))
+    def last_stable_offset(self, tp: TopicPartition) -> int | None:
+        # As aiokafka: known from fetch responses only, so a partition that is not
+        # fetched (paused, or left out of getmany) keeps the value of its last fetch.
+        return self._lso.get(tp)
 
     async def commit(self, offsets: dict[TopicPartition, OffsetAndMetadata]) -> None:
         self.commits.append(offsets)
@@ -261,6 +264,7 @@ class FakeConsumer:
         self.asked_at.append(time.monotonic())
         for tp in sorted((self._assigned & wanted) - self._paused):
             log = self.broker.logs.get(tp, [])
+            self._lso[tp] = len(log)
             pos = self.positions.get(tp, 0)
             chunk = log[pos : pos + limit]
             if chunk:

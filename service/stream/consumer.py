@@ -145,6 +145,9 @@ class StreamSettings:
     # record: a member that has not called getmany() for max_poll_interval_ms (300 s by
     # default) leaves the group (see run).
     poll_keepalive_s: float = 60.0
+    # How often the end offsets of partitions left out of fetching (backpressure) are
+    # read for the lag gauge (see _update_lag).
+    lag_refresh_s: float = 10.0
     # Least time between two fetches that returned records (see run).
     fetch_linger_ms: int = 20
     # A quiet partition whose records are still undecided this long after they arrived
@@ -330,6 +333,10 @@ class StreamService:
         self._stopping = asyncio.Event()
         self._capacity = asyncio.Event()  # a backpressured partition has room again
         self._background: set[asyncio.Task[Any]] = set()
+        # Last stable offsets read with ListOffsets for partitions not being fetched.
+        self._ends: dict[TopicPartition, int] = {}
+        self._ends_read_at = float("-inf")
+        self._reading_ends = False
         # Producers of revoked partitions still closing (see _drop): awaited by close().
         self._closing: set[asyncio.Task[None]] = set()
         self.started = False
@@ -986,6 +993,7 @@ class StreamService:
             self._failures.pop(tp, None)
             self._oversized.pop(tp, None)
             self._alone.pop(tp, None)
+            self._ends.pop(tp, None)
             self._metrics.forget_partition(tp.topic, tp.partition)
         self._metrics.assigned.set(len(self._assigned))
         log.info("partitions_revoked", partitions=sorted(tp.partition for tp in revoked))
@@ -1259,14 +1267,50 @@ class StreamService:
 
     def _update_lag(self) -> None:
         # read_committed: the last stable offset is what this consumer can reach.
+        self._read_unfetched_ends()
         for tp in self._assigned:
             position = self._committed.get(tp)
             end = self._consumer.last_stable_offset(tp)
+            read = self._ends.get(tp)
+            if read is not None and (end is None or read > end):
+                end = read
             if end is None:
                 continue
             if position is None:
                 position = 0
             self._metrics.lag.labels(tp.topic, str(tp.partition)).set(max(end - position, 0))
+
+    def _read_unfetched_ends(self) -> None:
+        """Now and then, read the end offsets of the partitions backpressure leaves out.
+
+        aiokafka learns a partition's last stable offset from fetch responses only, and a
+        partition left out of getmany() is not fetched: its lag would freeze while the
+        backlog grows (records stuck on the Kubernetes API), and the lag alert could
+        not fire during the outage that builds it. One ListOffsets request (read_committed:
+        the LSO) per lag_refresh_s, in the background.
+        """
+        now = self._clock()
+        if self._reading_ends or now - self._ends_read_at < self._s.lag_refresh_s:
+            return
+        tps = [tp for tp, part in self._parts.items() if part.backpressured]
+        if not tps:
+            return
+        self._ends_read_at, self._reading_ends = now, True
+
+        async def read() -> None:
+            try:
+                ends = await asyncio.wait_for(self._consumer.end_offsets(tps), 5.0)
+            except Exception:  # the next refresh tries again
+                return
+            finally:
+                self._reading_ends = False
+            for tp, end in ends.items():
+                if tp in self._assigned:
+                    self._ends[tp] = end
+
+        task = asyncio.create_task(read(), name="read-end-offsets")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _initial_lag(self, tp: TopicPartition, committed: int) -> None:
         """A lag series from assignment on, before the first fetch brings the end offset."""

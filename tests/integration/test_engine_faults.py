@@ -682,6 +682,56 @@ async def test_one_vms_events_keep_their_order_while_other_keys_go_on(
     assert replicas.stop_all() == {"a": 0}
 
 
+async def test_lag_follows_the_backlog_of_a_partition_full_of_stuck_placements(
+    devstack: DevStack,
+    clean_k8s: Any,
+    new_topic: Any,
+    replicas: Replicas,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CRS_MAX_IN_FLIGHT=4, one partition, API server frozen: four placements (a PATCH
+    each) fill the partition, so it is fetched no more (aiokafka keeps one response
+    buffered). aiokafka learns the last stable offset from fetches only; the backlog
+    published meanwhile must still show in crs_consumer_lag, or the lag alert cannot
+    fire during the outage that builds the backlog. After SIGCONT everything comes out
+    and the lag returns to 0."""
+    await e2e.seed_region(clean_k8s)
+    topics = topics_for(monkeypatch, await e2e.new_topics(new_topic, 1))
+    group = f"g-{topics['input']}"
+    boot = devstack.kafka_bootstrap
+    port = e2e.free_port()
+    replicas.spawn(
+        "a", topics, CRS_MAX_IN_FLIGHT="4", CRS_MAX_ATTEMPTS="1000", CRS_HTTP_PORT=str(port)
+    )
+    await wait_group(boot, group, 1, timeout_s=60)
+    lag = ("crs_consumer_lag", (("partition", "0"), ("topic", topics["input"])))
+
+    def events(target: str | None, n: int) -> list[Any]:
+        return [e2e.good_record(*e2e.outcome(target, ["hv-1", "hv-2"])) for _ in range(n)]
+
+    pid = int((devstack.run_dir / "kube-apiserver.pid").read_text())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await e2e.publish(boot, topics["input"], events("hv-1", 4))  # slot_used: stuck
+        await asyncio.sleep(2)  # fetched; the partition is full
+        for _ in range(3):  # the first wave may land in the one buffered fetch
+            await e2e.publish(boot, topics["input"], events(None, 20))
+            await asyncio.sleep(1)
+        deadline = time.monotonic() + 30
+        seen = 0.0
+        while (seen := (await e2e.metrics_at(port)).get(lag, 0.0)) < 64:
+            assert time.monotonic() < deadline, f"lag {seen}, backlog 64\n{replicas.logs()}"
+            await asyncio.sleep(0.5)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert len(await e2e.read_all(boot, topics["output"], 64, timeout_s=90)) == 64
+    deadline = time.monotonic() + 30
+    while (seen := (await e2e.metrics_at(port)).get(lag, 0.0)) != 0:
+        assert time.monotonic() < deadline, f"lag {seen} after the backlog drained"
+        await asyncio.sleep(0.5)
+    assert replicas.stop_all() == {"a": 0}
+
+
 async def test_key_concurrency_bounds_the_lanes_running_at_once(
     devstack: DevStack,
     clean_k8s: Any,

@@ -1048,6 +1048,29 @@ async def test_lag_is_reported_from_assignment_on(broker: FakeBroker) -> None:
     await h.stop()
 
 
+async def test_lag_keeps_growing_while_the_partition_is_left_out_by_backpressure(
+    broker: FakeBroker,
+) -> None:
+    # aiokafka learns the last stable offset from fetch responses only, and a partition
+    # left out of getmany() (full: records stuck on the Kubernetes API) is not fetched.
+    # Its lag must still follow the backlog (read with ListOffsets now and then), or the
+    # lag alert cannot fire during the very outage that builds the backlog.
+    h = Harness(broker, max_in_flight=4, max_batch=2, lag_refresh_s=0.05)
+    gate = asyncio.Event()
+    for i in range(60):
+        h.processor.gates[b"v%d" % i] = gate
+    for i in range(10):
+        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    await h.start(TP0)
+    await until(lambda: h.service._parts[TP0].backpressured)
+    for i in range(10, 60):
+        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    await until(lambda: h.metrics.lag.labels(IN, "0")._value.get() == 60)
+    gate.set()
+    await until(lambda: h.metrics.lag.labels(IN, "0")._value.get() == 0)
+    await h.stop()
+
+
 def ahead_count(h: Harness, outcome: str) -> float:
     return h.metrics.opened_ahead.labels(outcome)._value.get()  # type: ignore[no-any-return]
 
