@@ -17,8 +17,9 @@ How each edge of the protocol is handled:
   stream silent for ``idle_timeout_s`` (presumed dead: the server sends a BOOKMARK
   about every minute even on a quiet kind): keep the resourceVersion, wait a capped,
   jittered exponential back-off, watch again. No LIST: the server replays everything
-  after that resourceVersion. A LIST that fails is retried the same way, and so is a
-  relist after repeated 410s (only the first is immediate).
+  after that resourceVersion. A LIST that fails is retried the same way. A relist after
+  a 410 is immediate, unless the watch expired again before it got going (a LIST slower
+  than the server's watch window): then relists back off too.
 * **Up and alive** (``down_for``, ``silent_for``; readiness and the stale bound use
   them): a LIST, an event or BOOKMARK, and a watch the server ended as asked are signs
   of life. A watch that opened and failed before delivering anything was not up: the
@@ -269,15 +270,15 @@ class Informer(Generic[T]):
 
     async def _run(self) -> None:
         attempt = 0
+        relists = 0  # expiries in a row with no healthy watch between them
         need_list = True
         while True:
             delay = 0.0
             try:
                 if need_list:
-                    # attempt is not reset here: a LIST that succeeds does not make the
-                    # watch after it healthy (expiring again and again must back off).
                     await self._list()
                     need_list = False
+                    attempt = 0
                 started = self._clock()
                 events = await self._watch()
                 spun = events == 0 and self._clock() - started < 1.0
@@ -287,15 +288,19 @@ class Informer(Generic[T]):
                     delay = self._backoff(attempt)
                     attempt += 1
                 else:
-                    attempt = 0
+                    attempt = relists = 0
             except ResourceExpiredError as exc:
                 self.expired += 1
+                if self._delivered or self._healthy_reset(1) == 0:
+                    relists = 0
                 attempt = self._healthy_reset(attempt)
                 self._mark_down(str(exc))
                 need_list = True
-                # The first relist is immediate: nothing is wrong with the server.
-                delay = self._backoff(attempt) if attempt else 0.0
-                attempt += 1
+                # The first relist is immediate: nothing is wrong with the server. Its
+                # LIST succeeding proves little (it may be slower than the server's watch
+                # window): expiring again before a watch got going backs off.
+                delay = self._backoff(relists - 1) if relists else 0.0
+                relists += 1
                 self._log.warning(
                     "watch_expired_relisting", resource_version=self._rv, error=str(exc)
                 )
@@ -340,6 +345,8 @@ class Informer(Generic[T]):
             now = self._clock()
             if renewal or self._delivered or now - since >= _HEALTHY_WATCH_S:
                 self._down_since = now
+                if renewal:
+                    self._last_activity = now
             else:
                 # Opened and failed with nothing delivered (an ERROR event right after
                 # the 200, a server ending every stream at once): the outage goes on.
@@ -379,6 +386,7 @@ class Informer(Generic[T]):
         idle = self._opts.idle_timeout_s
         handled = 0
         self.watches += 1
+        self._delivered = False
         stream = self._transport.watch(
             self.kind,
             self._type,

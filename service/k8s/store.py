@@ -83,16 +83,14 @@ class Store(Generic[T]):
         old = self._objects.get(name)
         if old is not None and not is_newer(_rv_of(obj), _rv_of(old)):
             return False
-        # The handler first, then the store: a change the handler raised on is not
-        # held, so the informer's replay of it (same resourceVersion) applies it again.
         if self._keep is not None and not self._keep(obj):
             if old is None:
                 return False
-            self._on_change(old, None)
             del self._objects[name]
+            self._on_change(old, None)
             return True
-        self._on_change(old, obj)
         self._objects[name] = obj
+        self._on_change(old, obj)
         return True
 
     def delete(self, name: str, rv: str | None) -> bool:
@@ -102,8 +100,8 @@ class Store(Generic[T]):
             return False
         if rv and not is_newer(rv, _rv_of(old)):
             return False  # we hold a version written after this delete (a recreation)
-        self._on_change(old, None)
         del self._objects[name]
+        self._on_change(old, None)
         return True
 
     def replace(self, items: Iterable[T], list_rv: str) -> tuple[int, int]:
@@ -124,7 +122,7 @@ class Store(Generic[T]):
             held = rv_int(_rv_of(self._objects[name]))
             if list_n is not None and held is not None and held > list_n:
                 continue
-            self._on_change(self._objects[name], None)
-            del self._objects[name]
+            old = self._objects.pop(name)
+            self._on_change(old, None)
             removed += 1
         return changed, removed

@@ -389,6 +389,47 @@ async def test_relists_after_repeated_expiries_back_off(make: Make) -> None:
     assert len(run.slept) == n
 
 
+async def test_an_expiry_after_a_list_outage_relists_at_once(make: Make) -> None:
+    # The API server restarted: LISTs fail for a while, then one succeeds and the first
+    # watch finds its resourceVersion expired. The LIST outage's back-off is over: the
+    # relist is immediate (only repeated expiries back off).
+    down = [UnavailableError("list things: 503", status=503) for _ in range(6)]
+    server = Scripted(
+        lists=[*down, ListResult([], "10"), ListResult([], "20")],
+        watches=[ResourceExpiredError("watch things: too old", status=410), [HANG]],
+    )
+    run = make(server)
+    await until(lambda: run.informer.lists == 2 and run.informer.connected, "the relist")
+    assert len(run.slept) == 7
+    assert run.slept[-1] == 0.0
+
+
+async def test_a_watch_the_server_ended_as_asked_is_a_sign_of_life(make: Make) -> None:
+    # A quiet kind: the watch ends at its server-side timeout, the next one fails at once
+    # (a reset). The renewal was the last sign of life, not the LIST before it.
+    release = asyncio.Event()
+    server = Scripted(
+        lists=[ListResult([], "10")],
+        watches=[[release], [UnavailableError("reset")], [HANG]],
+    )
+    run = make(server)
+    inf = run.informer
+    silent: list[float] = []  # at the end of each back-off
+    sleep = inf._sleep
+
+    async def probing(seconds: float) -> None:
+        await sleep(seconds)
+        silent.append(inf.silent_for())
+
+    inf._sleep = probing
+    await until(lambda: inf.connected, "the first watch")
+    run.clock.now += 15.0  # the renewal period
+    release.set()
+    await until(lambda: len(server.watch_from) == 3 and inf.connected, "the third watch")
+    assert silent
+    assert silent[-1] <= sum(run.slept) + 0.01, (silent, run.slept)
+
+
 async def test_a_watch_that_fails_as_soon_as_it_opens_does_not_end_the_outage(
     make: Make,
 ) -> None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pytest
-
 from service.k8s.store import Store, is_newer
 from service.model import ObjectMeta
 
@@ -81,57 +79,3 @@ def test_resource_versions_compare_as_numbers_else_a_different_one_wins() -> Non
     assert not is_newer("7", "7")
     assert is_newer("opaque-b", "opaque-a")
     assert is_newer("5", None)
-
-
-# The informer logs a handler's exception and watches again from the last resourceVersion
-# it completed: the replayed change must reach the handler again, not be dropped as "not
-# newer" by a store that kept it while the indexes behind the handler did not.
-
-
-def guarded() -> tuple[Store[Thing], dict[str, str | None], list[bool]]:
-    index: dict[str, str | None] = {}
-    fail: list[bool] = []  # a True in it: the next call raises
-
-    def on_change(old: Thing | None, new: Thing | None) -> None:
-        if fail:
-            fail.pop()
-            raise RuntimeError("a bug in an index")
-        if new is None:
-            assert old is not None
-            index.pop(old.metadata.name or "", None)
-        else:
-            index[new.metadata.name or ""] = new.metadata.resource_version
-
-    return Store(on_change), index, fail
-
-
-def test_an_upsert_its_handler_refused_is_not_stored_so_the_replay_applies_it() -> None:
-    store, index, fail = guarded()
-    fail.append(True)
-    with pytest.raises(RuntimeError):
-        store.upsert(thing("a", 5))
-    assert store.get("a") is None
-    assert store.upsert(thing("a", 5))
-    assert index == {"a": "5"}
-
-
-def test_a_delete_its_handler_refused_is_not_stored_so_the_replay_applies_it() -> None:
-    store, index, fail = guarded()
-    store.upsert(thing("a", 5))
-    fail.append(True)
-    with pytest.raises(RuntimeError):
-        store.delete("a", "6")
-    assert store.get("a") is not None
-    assert store.delete("a", "6")
-    assert index == {}
-
-
-def test_a_relist_removal_its_handler_refused_is_not_stored_so_the_replay_applies_it() -> None:
-    store, index, fail = guarded()
-    store.upsert(thing("a", 5))
-    fail.append(True)
-    with pytest.raises(RuntimeError):
-        store.replace([], "7")
-    assert store.get("a") is not None
-    assert store.replace([], "7") == (0, 1)
-    assert index == {}
