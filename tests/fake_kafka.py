@@ -28,6 +28,7 @@ class Rec:
     key: bytes | None
     value: bytes | None
     headers: list[tuple[str, bytes]] = field(default_factory=list)
+    control: bool = False  # a transaction marker: takes an offset, never handed out
 
 
 class FakeBroker:
@@ -52,6 +53,12 @@ class FakeBroker:
         log = self.logs.setdefault(tp, [])
         log.append(Rec(topic, partition, len(log), key, value))
         self.data.set()
+
+    def append_marker(self, topic: str, partition: int) -> None:
+        """The commit marker a transactional producer's transaction ends with."""
+        tp = TopicPartition(topic, partition)
+        log = self.logs.setdefault(tp, [])
+        log.append(Rec(topic, partition, len(log), None, None, control=True))
 
 
 class _FakeTxnManager:
@@ -239,6 +246,9 @@ class FakeConsumer:
     def seek(self, tp: TopicPartition, offset: int) -> None:
         self.positions[tp] = offset
 
+    async def position(self, tp: TopicPartition) -> int:
+        return self.positions.get(tp, 0)
+
     async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
         return {tp: len(self.broker.logs.get(tp, [])) for tp in tps}
 
@@ -268,8 +278,9 @@ class FakeConsumer:
             pos = self.positions.get(tp, 0)
             chunk = log[pos : pos + limit]
             if chunk:
-                out[tp] = chunk
                 self.positions[tp] = pos + len(chunk)
+                if records := [r for r in chunk if not r.control]:
+                    out[tp] = records
         if not out:
             self.broker.data.clear()
             with contextlib.suppress(TimeoutError):

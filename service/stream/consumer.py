@@ -449,7 +449,7 @@ class StreamService:
                         await asyncio.wait_for(
                             self._capacity.wait(), self._s.poll_timeout_ms / 1000
                         )
-                    self._update_lag()
+                    await self._update_lag()
                     continue
                 # Every partition has been full for poll_keepalive_s (records stuck on
                 # the Kubernetes API). aiokafka counts the time since the last getmany()
@@ -495,7 +495,7 @@ class StreamService:
                     # offset before it takes records, so nothing fetched here is lost.
                     continue
                 self._feed(part, records)
-            self._update_lag()
+            await self._update_lag()
         # Stop: finish the records in hand (bounded) and commit them.
         log.info("stopping_releasing_partitions", partitions=len(self._parts))
         await self._release(list(self._parts), wait_s=self._s.stop_wait_s)
@@ -1265,7 +1265,7 @@ class StreamService:
         """Capped exponential: backoff, 2x, 4x, ... up to the configured maximum."""
         return backoff.exponential(attempt, self._s.retry_backoff_s, self._s.retry_backoff_max_s)
 
-    def _update_lag(self) -> None:
+    async def _update_lag(self) -> None:
         # read_committed: the last stable offset is what this consumer can reach.
         self._read_unfetched_ends()
         for tp in self._assigned:
@@ -1278,6 +1278,15 @@ class StreamService:
                 continue
             if position is None:
                 position = 0
+            part = self._parts.get(tp)
+            if part is not None and not part.draining and not part.ledger.in_flight:
+                # Everything handed out is committed: what lies between the committed
+                # offset and the fetch position was never handed out, i.e. transaction
+                # markers and aborted records of a transactional producer's input (one
+                # marker per transaction: the lag would stay 1 for good). A valid
+                # position is answered without a request.
+                with contextlib.suppress(Exception):
+                    position = max(position, await self._consumer.position(tp))
             self._metrics.lag.labels(tp.topic, str(tp.partition)).set(max(end - position, 0))
 
     def _read_unfetched_ends(self) -> None:

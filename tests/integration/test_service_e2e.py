@@ -9,6 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
+from aiokafka import AIOKafkaProducer
 
 from service.app.runtime import Runtime
 from tests import e2e
@@ -225,3 +226,40 @@ async def test_commits_are_triggered_by_count_and_paced_by_the_interval(
         assert len(await e2e.read_all(boot, topics["output"], 7, timeout_s=3)) == 6
     # The stop committed it.
     assert len(await e2e.read_all(boot, topics["output"], 7, timeout_s=10)) == 7
+
+
+async def test_lag_is_zero_once_a_transactional_producers_input_is_processed(
+    devstack: DevStack, clean_k8s: Any, new_topic: Any
+) -> None:
+    """An input topic written by a transactional producer (MirrorMaker 2 with exactly-once
+    source support, a bridge using transactions) ends each transaction with a commit marker
+    that takes an offset and is never handed out. Once every event is processed the lag
+    must be 0, not 1 per partition for good (the critical CrsNoEventsProcessed alert
+    reads lag > 0 with no events as a stuck consumer)."""
+    await e2e.seed_region(clean_k8s)
+    topics = await e2e.new_topics(new_topic, 1)
+    boot = devstack.kafka_bootstrap
+    cfg = e2e.config(devstack, topics)
+    producer = AIOKafkaProducer(
+        bootstrap_servers=boot, transactional_id=f"bridge-{topics['input']}"
+    )
+    await producer.start()
+    try:
+        async with e2e.running(cfg) as runtime:
+            for _ in range(2):
+                async with producer.transaction():
+                    for _ in range(3):
+                        key, value, headers = e2e.good_record(*e2e.outcome(None, ["hv-3"]))
+                        await producer.send(topics["input"], value, key=key, headers=headers)
+            assert len(await e2e.read_all(boot, topics["output"], 6, timeout_s=30)) == 6
+            deadline = time.monotonic() + 20
+            lag = -1.0
+            while (
+                lag := sample(
+                    await scrape(runtime), "crs_consumer_lag", topic=topics["input"], partition="0"
+                )
+            ) != 0:
+                assert time.monotonic() < deadline, f"lag {lag} with every event processed"
+                await asyncio.sleep(0.2)
+    finally:
+        await producer.stop()

@@ -1071,6 +1071,20 @@ async def test_lag_keeps_growing_while_the_partition_is_left_out_by_backpressure
     await h.stop()
 
 
+async def test_lag_is_zero_once_a_transactional_input_is_processed(broker: FakeBroker) -> None:
+    # Each transaction of a transactional producer ends with a marker that takes an
+    # offset and is never handed out: the committed offset stops on it, one short of
+    # the end. With everything processed the lag is 0 (the fetch position), not 1.
+    h = Harness(broker)
+    for i in range(3):
+        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    broker.append_marker(IN, 0)
+    await h.start(TP0)
+    await until(lambda: len(outputs(broker)) == 3)
+    await until(lambda: h.metrics.lag.labels(IN, "0")._value.get() == 0)
+    await h.stop()
+
+
 def ahead_count(h: Harness, outcome: str) -> float:
     return h.metrics.opened_ahead.labels(outcome)._value.get()  # type: ignore[no-any-return]
 
