@@ -29,12 +29,14 @@ their end-to-end counterparts.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
 from typing import Any
 
 import pytest
+from aiokafka.admin import NewPartitions
 
 from tests import e2e
 from tests.conftest import DevStack
@@ -126,15 +128,25 @@ async def test_sigterm_with_the_broker_frozen_mid_commit_ends_in_budget_and_comm
     assert codes["b"] == 0, f"exit codes {codes}\n{replicas.logs()}"
 
 
+@pytest.mark.parametrize("then", ["taken over", "rebalanced"])
 async def test_a_freeze_past_the_commit_timeout_counts_and_commits_each_event_once(
     devstack: DevStack,
     clean_k8s: Any,
     new_topic: Any,
     replicas: faults.Replicas,
     monkeypatch: pytest.MonkeyPatch,
+    then: str,
 ) -> None:
+    """Commits cut short by CRS_COMMIT_TIMEOUT_S while the broker is frozen may land all
+    the same; each such partition is taken over again after a back-off ("taken over"),
+    or first revoked and given back by a rebalance ("rebalanced": the input topic grows
+    a partition right after the freeze, the back-off is 10 s). Either way each event is
+    committed once and counted once."""
     partitions = resilience.PARTITIONS
     port = e2e.free_port()
+    rebalanced = then == "rebalanced"
+    extra = {"CRS_RETRY_BACKOFF_S": "10", "CRS_RETRY_BACKOFF_MAX_S": "10"} if rebalanced else {}
+    extra |= {"CRS_METADATA_MAX_AGE_S": "1"} if rebalanced else {}
     # A session far longer than the freeze: the replica must stay the partitions' owner,
     # so that its own take-overs find what its timed-out commits did.
     topics, w = await backlog_under_way(
@@ -147,6 +159,7 @@ async def test_a_freeze_past_the_commit_timeout_counts_and_commits_each_event_on
         CRS_COMMIT_TIMEOUT_S="2",
         CRS_HTTP_PORT=str(port),
         CRS_SESSION_TIMEOUT_MS="30000",
+        **extra,
     )
     boot = devstack.kafka_bootstrap
     broker = int((devstack.run_dir / "kafka.pid").read_text())
@@ -155,6 +168,12 @@ async def test_a_freeze_past_the_commit_timeout_counts_and_commits_each_event_on
         await asyncio.sleep(5.0)  # past the commit timeout, inside the session timeout
     finally:
         os.kill(broker, signal.SIGCONT)
+    if rebalanced:
+        admin = await faults.admin_client(boot)
+        try:
+            await admin.create_partitions({topics["input"]: NewPartitions(partitions + 1)})
+        finally:
+            await admin.close()
     ends, outputs, dead = await faults.results(boot, topics, partitions, w, replicas, 120)
     log = (replicas.log_dir / "a.log").read_text(errors="replace")
     # The workload did what the test is about: commits timed out during the freeze.
@@ -177,5 +196,11 @@ async def test_a_freeze_past_the_commit_timeout_counts_and_commits_each_event_on
     codes = replicas.stop_all()
     faults.check_exactly_once(outputs, dead, ends, w)
     await faults.check_allocations(clean_k8s, w)
-    assert counted == expected, f"landed after a timeout: {log.count('commit_found_landed')}"
+    landed = log.count("commit_found_landed")
+    assert counted == expected, f"landed after a timeout: {landed}"
+    if rebalanced:  # the workload did what the variant is about: a revoke of everything
+        events = [json.loads(x) for x in log.splitlines() if x.startswith("{")]
+        revokes = [e for e in events if e.get("event") == "partitions_revoking"]
+        assert any(len(e["partitions"]) == partitions for e in revokes), revokes
+    print(f"{then}: {len(timed_out)} commits timed out, {landed} found landed")
     assert codes == {"a": 0}, replicas.logs()
