@@ -42,7 +42,6 @@ class FakeBroker:
         self.fail_fetches: list[BaseException] = []  # raised by the next fetches, in order
         self.init_delay_s = 0.0  # how long InitProducerId takes (a coordinator loading)
         self.fail_inits = 0  # the next N InitProducerIds fail with a connection error
-        self.fail_offset_fetches = 0  # the next N OffsetFetches fail likewise
         self.commit_delay_s = 0.0  # how long EndTxn takes (a broker in trouble)
         self.stop_delay_s = 0.0  # how long closing a producer takes (a broker in trouble)
         self.offsets_delay_s = 0.0  # how long TxnOffsetCommit takes (a broker in trouble)
@@ -188,9 +187,6 @@ class _Coordinator:
     async def fetch_committed_offsets(
         self, tps: Iterable[TopicPartition]
     ) -> dict[TopicPartition, OffsetAndMetadata]:
-        if self._c.broker.fail_offset_fetches:
-            self._c.broker.fail_offset_fetches -= 1
-            raise KafkaConnectionError("offset fetch failed (fake)")
         out = {}
         for tp in tps:
             found = self._c.broker.committed.get((self._c.group_id, tp))

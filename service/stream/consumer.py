@@ -1005,60 +1005,51 @@ class StreamService:
         if self._stopping.is_set():
             return  # leaving the group: whoever gets it next takes it over
         attempt = 0
-        # Kept across retries once its InitProducerId succeeded: a second one would put
-        # the epoch two above an unsure commit's sender, and _landed would take that
-        # commit for another owner's (nobody would count it).
-        producer = None
-        try:
-            while True:
-                try:
-                    if self._s.exactly_once and producer is None:
-                        # retry_backoff_ms: a transaction begun right after the previous
-                        # commit is answered CONCURRENT_TRANSACTIONS until the broker has
-                        # written that one's markers (a few ms), and aiokafka then waits
-                        # its retry back-off (default 100 ms) before asking again:
-                        # measured (bench/bench_txn.py), a back-to-back transaction took
-                        # 99 ms of wall time with 100, 18.4-18.7 ms with 10, 8.6-9.1 ms
-                        # with 2. A broker outage and its recovery cost the service the
-                        # same CPU and log lines with 2 as with 10 (aiokafka paces
-                        # reconnects by other means).
-                        fresh = self._producer_factory(
-                            **self._s.client_args,
-                            transactional_id=transactional_id_for(self._s.prefix, tp),
-                            retry_backoff_ms=self._s.txn_retry_backoff_ms,
-                            partitioner=partition_for_key,
-                        )
-                        try:
-                            await fresh.start()  # InitProducerId: the fence
-                        except BaseException:
-                            await _close_quietly(fresh)
-                            raise
-                        producer = fresh
-                    committed = await consumer._coordinator.fetch_committed_offsets([tp])
-                    break
-                except Exception as exc:
-                    attempt += 1
-                    authz = isinstance(exc, _AUTHZ)
-                    delay = self._s.retry_backoff_max_s if authz else self._backoff(attempt)
-                    if authz or attempt >= 3:
-                        self._mark_stalled(tp, f"{_TAKE_OVER_FAILED}: {type(exc).__name__}")
-                    log.warning(
-                        "partition_acquire_failed",
-                        topic=tp.topic,
-                        partition=tp.partition,
-                        error=repr(exc)[:300],
-                        retry_in_s=round(delay, 3),
+        while True:
+            producer = None
+            try:
+                if self._s.exactly_once:
+                    # retry_backoff_ms: a transaction begun right after the previous
+                    # commit is answered CONCURRENT_TRANSACTIONS until the broker has
+                    # written that one's markers (a few ms), and aiokafka then waits its
+                    # retry back-off (default 100 ms) before asking again: measured
+                    # (bench/bench_txn.py), a back-to-back transaction took 99 ms of wall
+                    # time with 100, 18.4-18.7 ms with 10, 8.6-9.1 ms with 2. A broker
+                    # outage and its recovery cost the service the same CPU and log lines
+                    # with 2 as with 10 (aiokafka paces reconnects by other means).
+                    producer = self._producer_factory(
+                        **self._s.client_args,
+                        transactional_id=transactional_id_for(self._s.prefix, tp),
+                        retry_backoff_ms=self._s.txn_retry_backoff_ms,
+                        partitioner=partition_for_key,
                     )
-                    if not self._stopping.is_set() and tp in self._assigned:
-                        await asyncio.sleep(delay)
-                    if self._stopping.is_set() or tp not in self._assigned:
-                        if producer is not None:
-                            await _close_quietly(producer)
-                        return
-        except asyncio.CancelledError:
-            if producer is not None:
-                await _close_quietly(producer)
-            raise
+                    await producer.start()  # InitProducerId: the fence
+                committed = await consumer._coordinator.fetch_committed_offsets([tp])
+                break
+            except asyncio.CancelledError:
+                if producer is not None:
+                    await _close_quietly(producer)
+                raise
+            except Exception as exc:
+                if producer is not None:
+                    await _close_quietly(producer)
+                attempt += 1
+                authz = isinstance(exc, _AUTHZ)
+                delay = self._s.retry_backoff_max_s if authz else self._backoff(attempt)
+                if authz or attempt >= 3:
+                    self._mark_stalled(tp, f"{_TAKE_OVER_FAILED}: {type(exc).__name__}")
+                log.warning(
+                    "partition_acquire_failed",
+                    topic=tp.topic,
+                    partition=tp.partition,
+                    error=repr(exc)[:300],
+                    retry_in_s=round(delay, 3),
+                )
+                if self._stopping.is_set() or tp not in self._assigned:
+                    return
+                await asyncio.sleep(delay)
+                if tp not in self._assigned:
+                    return
         found = committed.get(tp)
         start: int | None = None
         metadata = ""

@@ -711,28 +711,6 @@ async def test_a_partition_given_back_after_its_revoke_commit_failed_is_taken_ov
     assert waited < 0.5, f"taken over again only after {waited:.2f}s"
 
 
-async def test_a_landed_commit_is_counted_when_the_take_over_reads_its_offset_twice(
-    broker: FakeBroker,
-) -> None:
-    # The take-over's InitProducerId succeeded but reading the committed offset failed:
-    # its retry must not initialise another producer (the epoch two above the sender's
-    # would make the landed commit look like another owner's, and nobody would count it).
-    h = Harness(broker, commit_timeout_s=0.1, retry_backoff_s=0.3, retry_backoff_max_s=0.3)
-    await h.start(TP0)
-    part = await h.part()
-    broker.commit_delay_s = 0.2
-    broker.append(IN, 0, b"k", b"v")
-    await until(lambda: broker.commits == 1)  # landed after the timeout
-    broker.commit_delay_s = 0.0
-    broker.fail_offset_fetches = 1
-    await h.retaken(part)
-    await until(lambda: h.counted() == 1)
-    await h.stop()
-    assert outputs(broker) == [b"v"]
-    assert h.processor.calls == [(0, 0)]  # not redone
-    assert broker.epochs[transactional_id_for("g", TP0)] == 1  # one take-over, one init
-
-
 async def test_a_commit_that_timed_out_and_failed_counts_only_its_redo(
     broker: FakeBroker,
 ) -> None:
