@@ -14,6 +14,7 @@ import contextlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError, ProducerFenced
@@ -211,6 +212,7 @@ class FakeConsumer:
         self.asked_at: list[float] = []  # when (time.monotonic)
         self.returned: list[tuple[float, int]] = []  # (when, records) of each getmany
         self._lso: dict[TopicPartition, int] = {}
+        self.awaiting_reset: set[TopicPartition] = set()
 
     async def start(self) -> None:
         pass
@@ -246,8 +248,19 @@ class FakeConsumer:
     def seek(self, tp: TopicPartition, offset: int) -> None:
         self.positions[tp] = offset
 
-    async def position(self, tp: TopicPartition) -> int:
-        return self.positions.get(tp, 0)
+    @property
+    def _subscription(self) -> Any:
+        """aiokafka's SubscriptionState as far as the engine reads it: fetch positions,
+        valid unless the test put a partition in ``awaiting_reset``."""
+        states = {
+            tp: SimpleNamespace(
+                has_valid_position=tp not in self.awaiting_reset, position=self.positions[tp]
+            )
+            for tp in self._assigned
+            if tp in self.positions
+        }
+        assignment = SimpleNamespace(state_value=states.get)
+        return SimpleNamespace(subscription=SimpleNamespace(assignment=assignment))
 
     async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
         return {tp: len(self.broker.logs.get(tp, [])) for tp in tps}

@@ -449,7 +449,7 @@ class StreamService:
                         await asyncio.wait_for(
                             self._capacity.wait(), self._s.poll_timeout_ms / 1000
                         )
-                    await self._update_lag()
+                    self._update_lag()
                     continue
                 # Every partition has been full for poll_keepalive_s (records stuck on
                 # the Kubernetes API). aiokafka counts the time since the last getmany()
@@ -495,7 +495,7 @@ class StreamService:
                     # offset before it takes records, so nothing fetched here is lost.
                     continue
                 self._feed(part, records)
-            await self._update_lag()
+            self._update_lag()
         # Stop: finish the records in hand (bounded) and commit them.
         log.info("stopping_releasing_partitions", partitions=len(self._parts))
         await self._release(list(self._parts), wait_s=self._s.stop_wait_s)
@@ -1265,10 +1265,10 @@ class StreamService:
         """Capped exponential: backoff, 2x, 4x, ... up to the configured maximum."""
         return backoff.exponential(attempt, self._s.retry_backoff_s, self._s.retry_backoff_max_s)
 
-    async def _update_lag(self) -> None:
+    def _update_lag(self) -> None:
         # read_committed: the last stable offset is what this consumer can reach.
         self._read_unfetched_ends()
-        for tp in self._assigned:
+        for tp in list(self._assigned):
             position = self._committed.get(tp)
             end = self._consumer.last_stable_offset(tp)
             read = self._ends.get(tp)
@@ -1283,10 +1283,10 @@ class StreamService:
                 # Everything handed out is committed: what lies between the committed
                 # offset and the fetch position was never handed out, i.e. transaction
                 # markers and aborted records of a transactional producer's input (one
-                # marker per transaction: the lag would stay 1 for good). A valid
-                # position is answered without a request.
-                with contextlib.suppress(Exception):
-                    position = max(position, await self._consumer.position(tp))
+                # marker per transaction: the lag would stay 1 for good).
+                fetched = _fetch_position(self._consumer, tp)
+                if fetched is not None:
+                    position = max(position, fetched)
             self._metrics.lag.labels(tp.topic, str(tp.partition)).set(max(end - position, 0))
 
     def _read_unfetched_ends(self) -> None:
@@ -1346,6 +1346,22 @@ def _producer_identity(producer: Any) -> tuple[int, int] | None:
     if txn is None or txn.producer_id is None or txn.producer_id < 0:
         return None
     return int(txn.producer_id), int(txn.producer_epoch)
+
+
+def _fetch_position(consumer: Any, tp: TopicPartition) -> int | None:
+    """aiokafka's fetch position of ``tp`` if it is valid, else None, without waiting.
+
+    Not ``position()``: while a partition awaits an offset reset that coroutine waits for
+    it (request_timeout_ms, again and again), which would hold the consume loop, and it
+    takes the group's pending error, which the fetch loop must see.
+    """
+    try:
+        state = consumer._subscription.subscription.assignment.state_value(tp)
+    except AttributeError:  # no subscription or assignment (yet)
+        return None
+    if state is None or not state.has_valid_position:
+        return None
+    return int(state.position)
 
 
 def _landed(

@@ -1085,6 +1085,25 @@ async def test_lag_is_zero_once_a_transactional_input_is_processed(broker: FakeB
     await h.stop()
 
 
+async def test_lag_never_waits_for_a_position_being_reset(broker: FakeBroker) -> None:
+    # aiokafka's position() waits for an offset reset (request_timeout_ms, again and
+    # again): the lag must not ask it, or the consume loop would stand still meanwhile.
+    h = Harness(broker)
+    for i in range(3):
+        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    broker.append_marker(IN, 0)
+    broker.append(IN, 1, b"k", b"w")
+    await h.start(TP0, TP1)
+    await until(lambda: len(outputs(broker)) == 4)
+    h.consumer.awaiting_reset.add(TP0)
+    await until(lambda: h.metrics.lag.labels(IN, "0")._value.get() == 1)  # the committed's
+    turned = h.service.last_loop
+    await until(lambda: h.service.last_loop > turned + 0.5)  # the loop keeps turning
+    h.consumer.awaiting_reset.clear()
+    await until(lambda: h.metrics.lag.labels(IN, "0")._value.get() == 0)
+    await h.stop()
+
+
 def ahead_count(h: Harness, outcome: str) -> float:
     return h.metrics.opened_ahead.labels(outcome)._value.get()  # type: ignore[no-any-return]
 
