@@ -291,7 +291,7 @@ class Informer(Generic[T]):
                     attempt = relists = 0
             except ResourceExpiredError as exc:
                 self.expired += 1
-                if self._delivered or self._healthy_reset(1) == 0:
+                if self._delivered or self._stayed_up():
                     relists = 0
                 attempt = self._healthy_reset(attempt)
                 self._mark_down(str(exc))
@@ -325,25 +325,26 @@ class Informer(Generic[T]):
                 self._log.error("informer_loop_error", resource_version=self._rv, exc_info=True)
             await self._sleep(delay)
 
-    def _healthy_reset(self, attempt: int) -> int:
+    def _stayed_up(self) -> bool:
+        """Whether the watch now open has been up for _HEALTHY_WATCH_S."""
         since = self._connected_since
-        if since is not None and self._clock() - since >= _HEALTHY_WATCH_S:
-            return 0
-        return attempt
+        return since is not None and self._clock() - since >= _HEALTHY_WATCH_S
+
+    def _healthy_reset(self, attempt: int) -> int:
+        return 0 if self._stayed_up() else attempt
 
     def _mark_up(self) -> None:
         self._before_up = (self._last_activity, self._down_since)
-        self._delivered = False
         self._connected_since = self._last_activity = self._clock()
         self._last_error = ""
 
     def _mark_down(self, error: str, *, renewal: bool = False) -> None:
         """The watch is no longer open; ``renewal``: the server ended it as asked."""
-        since = self._connected_since
-        if since is not None:
+        if self._connected_since is not None:
+            proven = renewal or self._delivered or self._stayed_up()
             self._connected_since = None
             now = self._clock()
-            if renewal or self._delivered or now - since >= _HEALTHY_WATCH_S:
+            if proven:
                 self._down_since = now
                 if renewal:
                     self._last_activity = now

@@ -336,7 +336,7 @@ class StreamService:
         # Last stable offsets read with ListOffsets for partitions not being fetched.
         self._ends: dict[TopicPartition, int] = {}
         self._ends_read_at = float("-inf")
-        self._reading_ends = False
+        self._reading_ends: asyncio.Task[None] | None = None
         # Producers of revoked partitions still closing (see _drop): awaited by close().
         self._closing: set[asyncio.Task[None]] = set()
         self.started = False
@@ -1090,8 +1090,7 @@ class StreamService:
         if start is not None:
             self._committed[tp] = start
         if self._stalled.get(tp, "").startswith(_TAKE_OVER_FAILED):  # failed take-overs
-            del self._stalled[tp]
-            self._metrics.stalled.labels(tp.topic, str(tp.partition)).set(0)
+            self._clear_stall(tp)
         await self._initial_lag(tp, start or 0)
         consumer.resume(tp)
         log.info(
@@ -1211,9 +1210,7 @@ class StreamService:
             # release drops the part, and there is nothing to take over. A delayed
             # re-acquisition here would sit in _acquiring, so the rebalance that gives
             # the partition back would skip it and wait out this delay.
-            dropping = asyncio.create_task(self._drop(part, close_later=True))
-            self._background.add(dropping)
-            dropping.add_done_callback(self._background.discard)
+            self._spawn(self._drop(part, close_later=True), f"drop-{tp.partition}")
             return
         if tp in self._consumer.assignment():
             self._consumer.pause(tp)
@@ -1228,16 +1225,21 @@ class StreamService:
 
         self._in_background(tp, again(), f"reacquire-{reason}")
 
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """Run ``work`` as a task close() cancels."""
+        task = asyncio.create_task(work, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
     def _in_background(
         self, tp: TopicPartition, acquiring: Coroutine[Any, Any, None], name: str
     ) -> asyncio.Task[None]:
         """Run a take-over of ``tp`` as a task a revoke of ``tp`` cancels."""
-        task = asyncio.create_task(acquiring, name=f"{name}-{tp.partition}")
+        task = self._spawn(acquiring, f"{name}-{tp.partition}")
         self._acquiring[tp] = task
-        self._background.add(task)
 
         def done(t: asyncio.Task[None]) -> None:
-            self._background.discard(t)
             if self._acquiring.get(tp) is t:
                 del self._acquiring[tp]
             if not t.cancelled() and (exc := t.exception()) is not None:
@@ -1299,27 +1301,26 @@ class StreamService:
         the LSO) per lag_refresh_s, in the background.
         """
         now = self._clock()
-        if self._reading_ends or now - self._ends_read_at < self._s.lag_refresh_s:
+        reading = self._reading_ends
+        if reading is not None and not reading.done():
+            return
+        if now - self._ends_read_at < self._s.lag_refresh_s:
             return
         tps = [tp for tp, part in self._parts.items() if part.backpressured]
         if not tps:
             return
-        self._ends_read_at, self._reading_ends = now, True
+        self._ends_read_at = now
 
         async def read() -> None:
             try:
                 ends = await asyncio.wait_for(self._consumer.end_offsets(tps), 5.0)
             except Exception:  # the next refresh tries again
                 return
-            finally:
-                self._reading_ends = False
             for tp, end in ends.items():
                 if tp in self._assigned:
                     self._ends[tp] = end
 
-        task = asyncio.create_task(read(), name="read-end-offsets")
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._reading_ends = self._spawn(read(), "read-end-offsets")
 
     async def _initial_lag(self, tp: TopicPartition, committed: int) -> None:
         """A lag series from assignment on, before the first fetch brings the end offset."""
