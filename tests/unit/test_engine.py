@@ -584,16 +584,25 @@ async def test_a_commit_cut_short_is_never_committed_again(broker: FakeBroker) -
     assert outputs(broker) == [b"v"]
 
 
+async def slow_commits(broker: FakeBroker, backoff_s: float) -> tuple[Harness, Any]:
+    """A started partition whose commits take 0.2 s, past its 0.1 s commit timeout (they
+    time out and land all the same), retried after ``backoff_s``; and its part."""
+    h = Harness(
+        broker, commit_timeout_s=0.1, retry_backoff_s=backoff_s, retry_backoff_max_s=backoff_s
+    )
+    await h.start(TP0)
+    part = await h.part()
+    broker.commit_delay_s = 0.2
+    return h, part
+
+
 async def test_a_commit_that_timed_out_but_landed_is_counted_once_on_take_over(
     broker: FakeBroker,
 ) -> None:
     # The commit outlives commit_timeout_s and lands anyway (aiokafka shields EndTxn):
     # taken over again, the partition starts after those records, so nobody processes
     # them again, and their counts must be applied then, once, or they are never counted.
-    h = Harness(broker, commit_timeout_s=0.1, retry_backoff_s=0.5, retry_backoff_max_s=0.5)
-    await h.start(TP0)
-    part = await h.part()
-    broker.commit_delay_s = 0.2
+    h, part = await slow_commits(broker, 0.5)
     broker.append(IN, 0, b"k", b"v")
     await until(lambda: broker.commits == 1)
     assert h.counted() == 0  # the engine does not know yet
@@ -615,10 +624,7 @@ async def test_a_landed_commit_is_counted_when_a_rebalance_gives_the_partition_b
     # rebalance revokes the partition and gives it back. The take-over (epoch exactly +1:
     # nobody else initialised the id) must still know the commit was this member's, or
     # its event is published and counted by nobody.
-    h = Harness(broker, commit_timeout_s=0.1, retry_backoff_s=1.0, retry_backoff_max_s=1.0)
-    await h.start(TP0)
-    part = await h.part()
-    broker.commit_delay_s = 0.2
+    h, part = await slow_commits(broker, 1.0)
     broker.append(IN, 0, b"k", b"v")
     await until(lambda: broker.commits == 1)  # landed after the timeout
     broker.commit_delay_s = 0.0
@@ -659,10 +665,7 @@ async def test_landed_commits_clear_the_commit_stall_of_a_quiet_partition(
     # counts it. Nothing is left to commit, so no later commit would clear "commit
     # failing": the landed commits themselves must, or /readyz stays 503 on a healthy
     # partition until new input arrives.
-    h = Harness(broker, commit_timeout_s=0.1, retry_backoff_s=0.3, retry_backoff_max_s=0.3)
-    await h.start(TP0)
-    part = await h.part()
-    broker.commit_delay_s = 0.2
+    h, part = await slow_commits(broker, 0.3)
     for i in range(3):
         broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
         await until(lambda n=i + 1: broker.commits == n)
@@ -715,10 +718,7 @@ async def test_a_commit_that_timed_out_and_failed_counts_only_its_redo(
     broker: FakeBroker,
 ) -> None:
     # The same commit timing out, but refused by the broker in the end: redone, counted once.
-    h = Harness(broker, commit_timeout_s=0.1, retry_backoff_s=0.5, retry_backoff_max_s=0.5)
-    await h.start(TP0)
-    await h.part()
-    broker.commit_delay_s = 0.2
+    h, _ = await slow_commits(broker, 0.5)
     broker.fail_commits = 1
     broker.append(IN, 0, b"k", b"v")
     await until(lambda: broker.fail_commits == 0)
@@ -737,10 +737,7 @@ async def test_a_commit_that_timed_out_is_not_counted_when_another_owner_committ
     # partition's transactional id, redoes the record (counting it) and commits the very
     # offset and metadata this one would have. Taken over again, this replica must not
     # count the record a second time.
-    h = Harness(broker, commit_timeout_s=0.1, retry_backoff_s=0.5, retry_backoff_max_s=0.5)
-    await h.start(TP0)
-    part = await h.part()
-    broker.commit_delay_s = 0.2
+    h, part = await slow_commits(broker, 0.5)
     broker.fail_commits = 1
     broker.append(IN, 0, b"k", b"v")
     await until(lambda: broker.fail_commits == 0)
@@ -1036,15 +1033,20 @@ async def test_a_member_without_partitions_still_takes_the_group_errors(
     await h.stop()
 
 
+def lag(h: Harness) -> float:
+    """crs_consumer_lag of partition 0 of the input."""
+    return h.metrics.lag.labels(IN, "0")._value.get()  # type: ignore[no-any-return]
+
+
 async def test_lag_is_reported_from_assignment_on(broker: FakeBroker) -> None:
     h = Harness(broker)
     gate = h.processor.gates[b"v0"] = asyncio.Event()
     for i in range(3):
         broker.append(IN, 0, b"k", b"v%d" % i)
     await h.start(TP0)
-    assert h.metrics.lag.labels(IN, "0")._value.get() == 3
+    assert lag(h) == 3
     gate.set()
-    await until(lambda: h.metrics.lag.labels(IN, "0")._value.get() == 0)
+    await until(lambda: lag(h) == 0)
     await h.stop()
 
 
@@ -1065,9 +1067,9 @@ async def test_lag_keeps_growing_while_the_partition_is_left_out_by_backpressure
     await until(lambda: h.service._parts[TP0].backpressured)
     for i in range(10, 60):
         broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
-    await until(lambda: h.metrics.lag.labels(IN, "0")._value.get() == 60)
+    await until(lambda: lag(h) == 60)
     gate.set()
-    await until(lambda: h.metrics.lag.labels(IN, "0")._value.get() == 0)
+    await until(lambda: lag(h) == 0)
     await h.stop()
 
 
@@ -1081,7 +1083,7 @@ async def test_lag_is_zero_once_a_transactional_input_is_processed(broker: FakeB
     broker.append_marker(IN, 0)
     await h.start(TP0)
     await until(lambda: len(outputs(broker)) == 3)
-    await until(lambda: h.metrics.lag.labels(IN, "0")._value.get() == 0)
+    await until(lambda: lag(h) == 0)
     await h.stop()
 
 
@@ -1096,11 +1098,11 @@ async def test_lag_never_waits_for_a_position_being_reset(broker: FakeBroker) ->
     await h.start(TP0, TP1)
     await until(lambda: len(outputs(broker)) == 4)
     h.consumer.awaiting_reset.add(TP0)
-    await until(lambda: h.metrics.lag.labels(IN, "0")._value.get() == 1)  # the committed's
+    await until(lambda: lag(h) == 1)  # the committed's
     turned = h.service.last_loop
     await until(lambda: h.service.last_loop > turned + 0.5)  # the loop keeps turning
     h.consumer.awaiting_reset.clear()
-    await until(lambda: h.metrics.lag.labels(IN, "0")._value.get() == 0)
+    await until(lambda: lag(h) == 0)
     await h.stop()
 
 
