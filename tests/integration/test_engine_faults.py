@@ -148,6 +148,25 @@ class Replicas:
         )
         self.procs[name] = e2e.spawn(cfg, str(self.log_dir / f"{name}.log"))
 
+    async def synced(self, name: str, timeout_s: float = 60) -> None:
+        """Wait until replica ``name``'s watch cache has listed every kind once: a test
+        that freezes the API server before that tests a replica that cannot decide
+        anything (the consumer joins its group before the first sync)."""
+        log = self.log_dir / f"{name}.log"
+        deadline = time.monotonic() + timeout_s
+        while True:
+            lines = log.read_text(errors="replace").splitlines()
+            listed = {
+                json.loads(x)["kind"]
+                for x in lines
+                if '"event":"informer_listed"' in x and '"initial":true' in x
+            }
+            if len(listed) == 4:  # hypervisors, reservations, committedresources, knowledges
+                return
+            assert time.monotonic() < deadline, f"{name} not synced: {listed}\n{self.logs()}"
+            self.assert_running()
+            await asyncio.sleep(0.2)
+
     def logs(self, limit: int = 2500) -> str:
         parts = []
         for name in self.procs:
@@ -476,6 +495,7 @@ async def test_api_server_frozen_does_not_hold_events_that_need_no_api_call(
     boot = devstack.kafka_bootstrap
     replicas.spawn("a", topics, CRS_MAX_ATTEMPTS="1000")
     await wait_group(boot, group, 1, timeout_s=60)
+    await replicas.synced("a")
 
     published: dict[str, float] = {}
     seen: dict[str, float] = {}
@@ -664,6 +684,7 @@ async def test_one_vms_events_keep_their_order_while_other_keys_go_on(
         (None, x_second[1], x_second[2]),
         e2e.good_record(y, y_none, y_none_req),
     ]
+    await replicas.synced("a")
     pid = int((devstack.run_dir / "kube-apiserver.pid").read_text())
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -709,6 +730,7 @@ async def test_lag_follows_the_backlog_of_a_partition_full_of_stuck_placements(
     def events(target: str | None, n: int) -> list[Any]:
         return [e2e.good_record(*e2e.outcome(target, ["hv-1", "hv-2"])) for _ in range(n)]
 
+    await replicas.synced("a")
     pid = int((devstack.run_dir / "kube-apiserver.pid").read_text())
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -754,6 +776,7 @@ async def test_key_concurrency_bounds_the_lanes_running_at_once(
     others = 3000
     records = [e2e.good_record(*e2e.outcome("hv-1", ["hv-1", "hv-2"]))]  # slot_used: a PATCH
     records += [e2e.good_record(*e2e.outcome(None, ["hv-3"])) for _ in range(others)]
+    await replicas.synced("a")
     pid = int((devstack.run_dir / "kube-apiserver.pid").read_text())
     os.kill(pid, signal.SIGSTOP)
     try:
