@@ -20,6 +20,8 @@ from typing import Any
 from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError, ProducerFenced
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
+from service.stream.unreadable import UnreadableRecord
+
 
 @dataclass
 class Rec:
@@ -30,6 +32,7 @@ class Rec:
     value: bytes | None
     headers: list[tuple[str, bytes]] = field(default_factory=list)
     control: bool = False  # a transaction marker: takes an offset, never handed out
+    unreadable: str | None = None  # what aiokafka could not parse: handed out as such
 
 
 class FakeBroker:
@@ -41,6 +44,9 @@ class FakeBroker:
         self.max_value_bytes = 1 << 20  # of a whole record: key, value, headers
         self.fail_commits = 0  # the next N commits fail with a connection error
         self.fail_fetches: list[BaseException] = []  # raised by the next fetches, in order
+        # Raised by the next fetches *after* draining what they would return, as aiokafka
+        # does when a later partition's batch fails to parse: the drained records are lost.
+        self.fail_after_draining: list[BaseException] = []
         self.init_delay_s = 0.0  # how long InitProducerId takes (a coordinator loading)
         self.fail_inits = 0  # the next N InitProducerIds fail with a connection error
         self.commit_delay_s = 0.0  # how long EndTxn takes (a broker in trouble)
@@ -53,6 +59,13 @@ class FakeBroker:
         tp = TopicPartition(topic, partition)
         log = self.logs.setdefault(tp, [])
         log.append(Rec(topic, partition, len(log), key, value))
+        self.data.set()
+
+    def append_unreadable(self, topic: str, partition: int, reason: str) -> None:
+        """A record aiokafka cannot parse (service/stream/unreadable.py hands it out)."""
+        tp = TopicPartition(topic, partition)
+        log = self.logs.setdefault(tp, [])
+        log.append(Rec(topic, partition, len(log), None, None, unreadable=reason))
         self.data.set()
 
     def append_marker(self, topic: str, partition: int) -> None:
@@ -292,11 +305,32 @@ class FakeConsumer:
             chunk = log[pos : pos + limit]
             if chunk:
                 self.positions[tp] = pos + len(chunk)
-                if records := [r for r in chunk if not r.control]:
+                if records := [_handed_out(r) for r in chunk if not r.control]:
                     out[tp] = records
+        if out and self.broker.fail_after_draining:
+            raise self.broker.fail_after_draining.pop(0)
         if not out:
             self.broker.data.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.broker.data.wait(), timeout_ms / 1000)
         self.returned.append((time.monotonic(), sum(len(r) for r in out.values())))
         return out
+
+
+def _handed_out(rec: Rec) -> Any:
+    if rec.unreadable is None:
+        return rec
+    return UnreadableRecord(
+        rec.topic,
+        rec.partition,
+        rec.offset,
+        -1,
+        0,
+        None,
+        None,
+        None,
+        -1,
+        -1,
+        (),
+        reason=rec.unreadable,
+    )

@@ -116,6 +116,9 @@ class PoisonCode(StrEnum):
     UNKNOWN_TYPE = "unknown_type"  # a CloudEvent, but not INPUT_TYPE
     UNSUPPORTED_SPECVERSION = "unsupported_specversion"  # not CloudEvents 1.0
     INCONSISTENT_SUBJECT = "inconsistent_subject"  # subject/key != request's instance uuid
+    # The Kafka client could not read the record (a header name that is not UTF-8, a
+    # corrupt batch): never decoded here, see service/stream/unreadable.py.
+    UNREADABLE = "unreadable"
 
 
 # For the metrics layer: pre-create one dead-letter series per code so rates start at 0.

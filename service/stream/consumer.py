@@ -51,9 +51,9 @@ from typing import Any
 import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
 from aiokafka.errors import (
+    ConsumerStoppedError,
     CorruptRecordException,
     GroupAuthorizationFailedError,
-    KafkaError,
     MessageSizeTooLargeError,
     ProducerFenced,
     RecordListTooLargeError,
@@ -64,8 +64,14 @@ from aiokafka.errors import (
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
 from service import backoff
-from service.stream import deferred
-from service.stream.codec import INTERNAL_ERROR, OUTPUT_REJECTED, InputRef, decode_input
+from service.stream import deferred, unreadable
+from service.stream.codec import (
+    INTERNAL_ERROR,
+    OUTPUT_REJECTED,
+    InputRef,
+    PoisonCode,
+    decode_input,
+)
 from service.stream.ledger import CommitPlan, Ledger
 from service.stream.metrics import StreamMetrics
 from service.stream.partitioner import partition_for_key
@@ -348,6 +354,8 @@ class StreamService:
 
     async def start(self) -> None:
         s = self._s
+        # A record aiokafka cannot parse must not raise out of getmany() (see the module).
+        unreadable.install()
         self._consumer = self._consumer_factory(
             **s.client_args,
             group_id=s.group_id,
@@ -469,10 +477,16 @@ class StreamService:
                     *open_tps, timeout_ms=self._s.poll_timeout_ms, max_records=max_records
                 )
                 polled = self._clock()
-            except KafkaError as exc:
-                # The fetch itself failed (e.g. the group or input ACL was revoked): the
-                # loop keeps turning (liveness) and says why, instead of ending the process.
+            except ConsumerStoppedError:
+                raise  # closed under it: nothing more to fetch
+            except Exception as exc:
+                # The fetch itself failed (e.g. the group or input ACL was revoked, or a
+                # batch aiokafka cannot parse at all): the loop keeps turning (liveness)
+                # and says why, instead of ending the process. getmany() may have moved
+                # other partitions past records it drained and then dropped with the
+                # error: each partition goes back to where its records stopped.
                 failures += 1
+                self._rewind(consumer)
                 delay = (
                     self._s.retry_backoff_max_s
                     if isinstance(exc, _AUTHZ)
@@ -520,7 +534,27 @@ class StreamService:
             part.ledger.in_flight
         )
 
+    def _rewind(self, consumer: Any) -> None:
+        """Seek every partition being processed back to the offset after the last record
+        it received, where aiokafka's fetch position has moved past it."""
+        for tp, part in self._parts.items():
+            expected = part.ledger.next_expected
+            if part.draining or part.closed or expected is None:
+                continue
+            position = _fetch_position(consumer, tp)
+            if position is not None and position > expected:
+                log.warning(
+                    "fetch_rewound",
+                    topic=tp.topic,
+                    partition=tp.partition,
+                    position=position,
+                    offset=expected,
+                )
+                consumer.seek(tp, expected)
+
     def _key_of(self, record: ConsumerRecord) -> bytes:
+        if isinstance(record, unreadable.UnreadableRecord):
+            return b""  # nothing to read a key from: decided at once, any lane
         if record.key:
             # In lower case like the UUID below: a VM's events keyed by a producer that
             # writes the UUID in upper case and unkeyed ones from another share a lane.
@@ -609,6 +643,10 @@ class StreamService:
     async def _decide(self, part: _Partition, record: ConsumerRecord) -> _Done:
         tp = part.tp
         ref = InputRef(topic=tp.topic, partition=tp.partition, offset=record.offset)
+        if isinstance(record, unreadable.UnreadableRecord):
+            with deferred.capture() as counts:
+                stub = self._processor.stub(ref, None, None, PoisonCode.UNREADABLE, record.reason)
+            return _Done(stub, counts)
         attempt = 1
         while True:
             with deferred.capture() as counts:

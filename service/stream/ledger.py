@@ -154,6 +154,12 @@ class Ledger(Generic[T]):
         return len(self._done)
 
     @property
+    def next_expected(self) -> int | None:
+        """The offset after the last one received (or the start): where fetching must
+        go on from. None: nothing received and no committed start."""
+        return self._next
+
+    @property
     def position(self) -> int | None:
         """The watermark a commit now would write (None: nothing received yet)."""
         candidates = []

@@ -14,11 +14,15 @@ import collections
 import contextlib
 import json
 import socket
+import struct
 import time
 from pathlib import Path
 from typing import Any
 
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
+from aiokafka.record.util import calc_crc32c
+from aiokafka.structs import TopicPartition
 
 from service.stream.codec import encode_input
 from tests import e2e
@@ -213,6 +217,123 @@ async def test_hostile_records_never_stop_two_replicas(
     assert all(n == 1 for n in inputs.values()), "an input classified twice"
     assert sorted(d["instance_uuid"] for d in datas) == sorted(vms)
     assert not [p.name for p in logs if long_log_lines(p)], "a log line over 16 KiB"
+
+
+BAD_NAME = "crs-test-bad-name"
+
+
+async def publish_unreadable_batch(
+    bootstrap: str, topic: str, records: list[Any], bad: int
+) -> None:
+    """One batch on partition 0 whose record ``bad`` has a header name that is not UTF-8.
+
+    Go clients (sarama, franz-go) and the broker take header names as bytes; aiokafka
+    decodes them strictly. aiokafka's producer only writes str names, so the batch is
+    built with a placeholder name, the placeholder's first byte is replaced with 0xff and
+    the batch's CRC-32C (over everything after the CRC field) is computed again.
+    """
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await producer.start()
+    try:
+        batch = producer.create_batch()
+        for i, (key, value, headers) in enumerate(records):
+            extra = [(BAD_NAME, b"x")] if i == bad else []
+            assert batch.append(key=key, value=value, timestamp=None, headers=headers + extra)
+        buf = batch._build()
+        at = bytes(buf).index(BAD_NAME.encode())
+        buf[at] = 0xFF
+        struct.pack_into(">I", buf, 17, calc_crc32c(bytes(buf[21:])))
+        await (await producer.send_batch(batch, topic, partition=0))
+    finally:
+        await producer.stop()
+
+
+async def end_offsets(bootstrap: str, topic: str) -> dict[TopicPartition, int]:
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
+    await consumer.start()
+    try:
+        return dict(
+            await consumer.end_offsets([TopicPartition(topic, p) for p in range(PARTITIONS)])
+        )
+    finally:
+        await consumer.stop()
+
+
+async def publish_compressed(bootstrap: str, topic: str, records: list[Any], codec: str) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", compression_type=codec)
+    await producer.start()
+    try:
+        futures = [await producer.send(topic, v, key=k, headers=h) for k, v, h in records]
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+
+
+async def test_records_the_kafka_client_cannot_read_become_stubs_and_stop_no_replica(
+    devstack: DevStack, clean_k8s: Any, new_topic: Any, tmp_path: Path
+) -> None:
+    """A header name that is not UTF-8 made aiokafka raise out of getmany(): the consume
+    loop ended, the process exited, and every replica that took the partition over did
+    the same (found by review). The records of other partitions drained in the same
+    getmany() call were lost with it. And input compressed with lz4, snappy or zstd (a
+    producer setting) could not be read at all: aiokafka needs cramjam for them."""
+    hosts = await seed_capacity(clean_k8s, hosts=8)
+    topics = await service_topics(new_topic)
+    batch, _ = placements(hosts, 4)
+    good, vms = placements(hosts, 40)
+    codecs = ("gzip", "lz4", "snappy", "zstd")
+    compressed = {codec: placements(hosts, 10) for codec in codecs}
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    cfg = e2e.config(devstack, topics, CRS_MAX_BATCH="10")
+    replicas = [e2e.spawn(cfg, str(log)) for log in logs]
+
+    def tails() -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in logs)
+
+    bootstrap = devstack.kafka_bootstrap
+    try:
+        # Offsets 0-3 of partition 0: record 1 unreadable, and with it the rest of its
+        # batch (aiokafka cannot read past it); record 0 reads fine.
+        await publish_unreadable_batch(bootstrap, topics["input"], batch, bad=1)
+        await e2e.publish(bootstrap, topics["input"], good)
+        for codec, (records, _) in compressed.items():
+            await publish_compressed(bootstrap, topics["input"], records, codec)
+        expected = 1 + len(good) + sum(len(r) for r, _ in compressed.values())
+        dead = await e2e.read_all(bootstrap, topics["dlq"], 3, timeout_s=45)
+        outputs = await e2e.read_all(
+            bootstrap, topics["output"], expected, partitions=PARTITIONS, timeout_s=45
+        )
+        alive = [proc.poll() is None for proc in replicas]
+        assert all(alive), f"a replica exited: {[p.returncode for p in replicas]}\n{tails()}"
+        ends = await end_offsets(bootstrap, topics["input"])
+        for tp, end in ends.items():
+            found = await e2e.committed(bootstrap, cfg.group_id, tp)
+            assert found is not None, tp
+            assert found.offset == end, (tp, found, end)
+    finally:
+        codes = [stop(proc) for proc in replicas]
+    assert codes == [0, 0], tails()
+
+    stubs = sorted(
+        (dict(r.headers)["crs.source.partition"], dict(r.headers)["crs.source.offset"])
+        for r in dead
+    )
+    assert stubs == [(b"0", b"1"), (b"0", b"2"), (b"0", b"3")], stubs
+    for record in dead:
+        headers = dict(record.headers)
+        assert headers["crs.error"] == b"unreadable", headers
+        assert headers["crs.stub"] == b"true"
+        assert b"UnicodeDecodeError" in headers["crs.reason"], headers["crs.reason"]
+        assert record.value is None
+    datas = [e2e.data_of(r) for r in outputs]
+    inputs = collections.Counter((d["input"]["partition"], d["input"]["offset"]) for d in datas)
+    assert all(n == 1 for n in inputs.values()), "an input classified twice"
+    by_offset = {(d["input"]["partition"], d["input"]["offset"]): d["instance_uuid"] for d in datas}
+    assert by_offset.get((0, 0)) == batch[0][0].decode(), "the record before it was lost"
+    want = {batch[0][0].decode(), *vms, *(vm for _, v in compressed.values() for vm in v)}
+    got = set(by_offset.values())
+    assert got == want, (sorted(want - got)[:5], sorted(got - want)[:5])
+    assert want <= got, f"not classified: {sorted(want - got)[:5]}\n{tails()}"
 
 
 def _free_port() -> int:

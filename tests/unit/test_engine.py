@@ -1020,6 +1020,51 @@ async def test_a_failing_fetch_keeps_the_loop_turning_and_says_why(broker: FakeB
     await h.stop()
 
 
+async def test_a_record_the_client_cannot_read_is_one_stub_dead_letter(
+    broker: FakeBroker,
+) -> None:
+    # service/stream/unreadable.py hands such a record out instead of raising; the engine
+    # publishes a stub for it (code unreadable) in the partition's order and goes on.
+    h = Harness(broker)
+    broker.append(IN, 0, b"k", b"v0")
+    broker.append_unreadable(IN, 0, "UnicodeDecodeError: invalid start byte")
+    broker.append(IN, 0, b"k", b"v2")
+    await h.start(TP0)
+    await until(lambda: outputs(broker) == [b"v0", b"v2"])
+    await until(lambda: broker.committed[("g", TP0)].offset == 3)
+    (stub,) = [r for r in broker.outputs if r.topic == "dlq"]
+    headers = dict(stub.headers)
+    assert headers["crs.error"] == b"unreadable"
+    assert headers["crs.stub"] == b"true"
+    assert headers["crs.source.offset"] == b"1"
+    assert headers["crs.reason"] == b"UnicodeDecodeError: invalid start byte"
+    assert (0, 1) not in h.processor.calls
+    await until(lambda: h.metrics.dead_letters.labels("unreadable")._value.get() == 1)
+    assert not h.task.done()  # type: ignore[union-attr]
+    await h.stop()
+
+
+async def test_records_a_failing_fetch_drained_and_dropped_are_fetched_again(
+    broker: FakeBroker,
+) -> None:
+    # aiokafka's getmany() moves each partition's position as it drains it and raises
+    # when a later one fails to parse: the records drained first are gone from the
+    # client. Before the rewind they were committed past without an output. And an error
+    # that is not a KafkaError ended run(), and with it the process.
+    h = Harness(broker, retry_backoff_max_s=0.05)
+    broker.append(IN, 0, b"k", b"v0")
+    await h.start(TP0)
+    await until(lambda: outputs(broker) == [b"v0"])
+    broker.fail_after_draining = [ValueError("a batch header that does not parse (fake)")]
+    for i in range(1, 4):
+        broker.append(IN, 0, b"k", b"v%d" % i)
+    await until(lambda: outputs(broker) == [b"v0", b"v1", b"v2", b"v3"])
+    assert not broker.fail_after_draining  # the failure did happen
+    await until(lambda: broker.committed[("g", TP0)].offset == 4)
+    assert not h.task.done()  # type: ignore[union-attr]
+    await h.stop()
+
+
 async def test_a_member_without_partitions_still_takes_the_group_errors(
     broker: FakeBroker,
 ) -> None:
