@@ -39,12 +39,12 @@ class DlqRecord:
     timestamp_ms: int
     key: bytes | None
     value: bytes | None
-    headers: tuple[tuple[str, bytes], ...]
+    headers: tuple[tuple[str, bytes | None], ...]  # Kafka allows a header without value
 
     def header(self, name: str) -> str | None:
         for k, v in self.headers:
             if k == name:
-                return v.decode("utf-8", errors="replace")
+                return None if v is None else v.decode("utf-8", errors="replace")
         return None
 
     @property
@@ -83,7 +83,7 @@ class DlqFilter:
         return not (self.to_offset is not None and r.offset > self.to_offset)
 
 
-def redrive_headers(r: DlqRecord) -> list[tuple[str, bytes]]:
+def redrive_headers(r: DlqRecord) -> list[tuple[str, bytes | None]]:
     """The original headers without ``crs.*``, plus the incremented redrive count."""
     kept = [(k, v) for k, v in r.headers if not k.startswith("crs.")]
     kept.append((REDRIVE_HEADER, str(r.redrive_count + 1).encode("ascii")))
