@@ -150,11 +150,9 @@ class ExternalSchedulerRequest(_NovaStruct, frozen=True):
     hosts: GoNull[list[GoNull[ExternalSchedulerHost]]] = []
     weights: GoNull[dict[str, GoNull[float]]] = {}
     pipeline: str | None = None
-    # Not fields of the reference's request type (it ignores them, whatever their value).
-    live: Any = False
-    rebuild: Any = False
-    resize: Any = False
-    vmware: Any = False
+    # live, rebuild, resize, vmware: sent by Nova, not fields of the reference's request
+    # type, so not fields here either. Go skips them unread whatever their value; a typed
+    # field made a number msgspec refuses there (1e309) a dead letter.
     options: GoNull[ExternalSchedulerOptions] = msgspec.field(
         default_factory=ExternalSchedulerOptions
     )
