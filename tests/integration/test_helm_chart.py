@@ -227,6 +227,23 @@ def test_prometheus_rule_takes_the_charts_rule_files_verbatim(
     assert shipped["metadata"]["labels"]["type"] == "alerting-rules"
     source = yaml.safe_load((REPO / "deploy" / "monitoring" / "rules.yaml").read_text())
     assert shipped["spec"]["groups"] == source["groups"]
+    # The runbook links are relative to the repository unless alerts.runbookBase says
+    # where it is served: then every one is absolute (they went nowhere in Alertmanager).
+    base = "https://git.example/cortex/crs-consumer/blob/v1/"
+    linked = by_kind(render("--set", f"alerts.runbookBase={base}"))["PrometheusRule"]
+    urls = [
+        rule["annotations"]["runbook_url"]
+        for group in linked["spec"]["groups"]
+        for rule in group["rules"]
+        if "runbook_url" in rule.get("annotations", {})
+    ]
+    assert len(urls) >= 14
+    assert all(u.startswith(base + "docs/runbooks.md#") for u in urls), urls[:3]
+    # nameOverride / fullnameOverride are values an operator can find (and they work).
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["nameOverride"] == values["fullnameOverride"] == ""
+    named = by_kind(render("--set", "fullnameOverride=crs"))["Deployment"]
+    assert named["metadata"]["name"] == "crs"
 
     # Without a rule file: one placeholder group.
     chart = tmp_path / "crs-consumer"

@@ -832,11 +832,17 @@ def test_deployment_environment() -> None:
     assert container["envFrom"] == [{"configMapRef": {"name": "crs-consumer"}}]
     env = {e["name"]: e for e in container.get("env", [])}
     assert set(env) <= DOCUMENTED_ENV
-    password = env["KAFKA_SASL_PASSWORD"]["valueFrom"]["secretKeyRef"]
-    assert password["optional"] is True
-    assert password["name"]
-    assert password["key"]
-    assert "value" not in env["KAFKA_SASL_PASSWORD"]
+    # No secret in the pod's environment (/proc/<pid>/environ, crash dumps): the SASL
+    # password is a file from the optional Secret, for KAFKA_SASL_PASSWORD_FILE.
+    assert "KAFKA_SASL_PASSWORD" not in env
+    pod = deploy_manifest("deployment.yaml")["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "kafka-sasl"]
+    assert volume["secret"]["secretName"] == "crs-consumer-kafka"
+    assert volume["secret"]["optional"] is True
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "kafka-sasl"]
+    assert mount["mountPath"] == "/etc/crs/kafka-sasl"
+    assert mount["readOnly"] is True
+    assert "/etc/crs/kafka-sasl/password" in (REPO / "deploy" / "crs-consumer.env").read_text()
     assert as_list(container.get("args")) in ([], ["run"])
     assert "command" not in container, "keep the image ENTRYPOINT (crs-consumer)"
 
