@@ -1042,6 +1042,27 @@ class StreamService:
         consumer.pause(tp)
         if self._stopping.is_set():
             return  # leaving the group: whoever gets it next takes it over
+        # InitProducerId and the offset fetch retry without limit inside aiokafka (e.g.
+        # CONCURRENT_TRANSACTIONS while the previous owner's transaction cannot be
+        # completed, a coordinator that stays loading): no attempt fails, so none would
+        # be counted above. A take-over still waiting after commit_timeout_s says so.
+        slow = asyncio.get_running_loop().call_later(
+            self._s.commit_timeout_s, self._acquire_slow, tp
+        )
+        try:
+            await self._take_over(tp)
+        finally:
+            slow.cancel()
+
+    def _acquire_slow(self, tp: TopicPartition) -> None:
+        if tp in self._parts or tp not in self._assigned:
+            return
+        waited = round(self._s.commit_timeout_s)
+        log.warning("partition_acquire_slow", topic=tp.topic, partition=tp.partition, s=waited)
+        self._mark_stalled(tp, f"{_TAKE_OVER_FAILED}: still waiting after {waited} s")
+
+    async def _take_over(self, tp: TopicPartition) -> None:
+        consumer = self._consumer
         attempt = 0
         while True:
             producer = None

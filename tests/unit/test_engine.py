@@ -488,6 +488,23 @@ async def test_a_partition_taken_over_twice_keeps_only_the_newer_producer(
     await h.stop()
 
 
+async def test_a_take_over_that_keeps_waiting_shows_in_readiness_and_clears_once_done(
+    broker: FakeBroker,
+) -> None:
+    # aiokafka retries InitProducerId (CONCURRENT_TRANSACTIONS, a coordinator loading)
+    # and the offset fetch without limit: no attempt ever failed, so the partition sat
+    # paused with /readyz OK ("N partitions assigned"). Found by review.
+    h = Harness(broker, commit_timeout_s=0.1, assign_wait_s=0.01)
+    broker.init_delay_s = 0.6
+    broker.append(IN, 0, b"k", b"v")
+    await h.start(TP0)
+    await until(lambda: TP0 in h.service.stalled(), limit_s=0.5)
+    assert "still waiting" in h.service.stalled()[TP0]
+    await until(lambda: outputs(broker) == [b"v"])
+    assert h.service.stalled() == {}
+    await h.stop()
+
+
 async def test_a_slow_take_over_goes_on_after_the_assignment_callback_returns(
     broker: FakeBroker,
 ) -> None:
