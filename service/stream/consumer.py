@@ -260,6 +260,8 @@ class _Partition:
         self.ahead_until = 0.0
         # When its producer's last transaction ended (committed or aborted): see _send.
         self.txn_ended = float("-inf")
+        # Where the take-over sought to: fetching goes on from here until a record came.
+        self.fetch_from = 0
 
 
 class _TokenBucket:
@@ -539,7 +541,9 @@ class StreamService:
         it received, where aiokafka's fetch position has moved past it."""
         for tp, part in self._parts.items():
             expected = part.ledger.next_expected
-            if part.draining or part.closed or expected is None:
+            if expected is None:  # nothing received yet (no commit either)
+                expected = part.fetch_from
+            if part.draining or part.closed:
                 continue
             position = _fetch_position(consumer, tp)
             if position is not None and position > expected:
@@ -1144,6 +1148,7 @@ class StreamService:
             await self._drop(old)
         consumer.seek(tp, start if start is not None else 0)
         part = _Partition(tp, producer, Ledger(start, metadata))
+        part.fetch_from = start if start is not None else 0
         part.committer = asyncio.create_task(self._commit_loop(part))
         self._parts[tp] = part
         if start is not None:

@@ -3,11 +3,11 @@
 aiokafka parses a fetched batch lazily, inside ``getmany()``. A record it cannot parse
 raises out of ``getmany()`` with an error that names neither partition nor offset: a
 header name that is not UTF-8 (Go clients and the broker take names as bytes; aiokafka
-decodes them strictly: ``UnicodeDecodeError``), a batch whose CRC does not match, a
-compression codec it cannot decode. Two things then go wrong, both measured:
+decodes them strictly: ``UnicodeDecodeError``), a compression codec it cannot decode, a
+batch whose CRC does not match. Two things then go wrong, both measured:
 
 * the same record raises again on every fetch, for every replica that owns the
-  partition; the partition never moves again;
+  partition (the service used to exit on it); the partition never moves again;
 * ``getmany()`` drains partition after partition, moving each one's fetch position as it
   goes, and builds the result only at the end: the records of partitions drained before
   the failing one in that call are lost (their positions have moved past them).
@@ -18,9 +18,12 @@ is known. The record that failed and the rest of its batch (aiokafka cannot read
 within the batch) come out as :class:`UnreadableRecord`, one per offset, which the engine
 turns into stub dead letters (code ``unreadable``) committed like any other output; the
 fetch goes on after the batch. Nothing raises out of ``getmany()``, so nothing else is
-lost. Only an error before the batch's offsets are known (a batch header that does not
-parse) still raises; the engine handles that as a failed fetch and rewinds its partitions
-to the offsets it has received (see ``StreamService.run``).
+lost. Two errors still raise: one before the batch's offsets are known (a batch header
+that does not parse, a legacy v0/v1 batch), and a CRC mismatch, whose batch header is
+not to be trusted and which may heal on a retry. The engine handles those as a failed
+fetch (back-off, the cause in /readyz) and rewinds its partitions to the offsets it has
+received (see ``StreamService.run``). In a compacted topic the rest of a batch may name
+offsets that were compacted away: each still gets its stub.
 
 The replacement subclasses aiokafka's own class and keeps its logic (aborted
 transactions, control batches, compaction); it only wraps the batches it reads. Written
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiokafka.consumer import fetcher as _fetcher
+from aiokafka.errors import CorruptRecordException
 from aiokafka.structs import ConsumerRecord
 
 __all__ = ["UnreadableRecord", "install"]
@@ -110,6 +114,12 @@ class _TolerantPartitionRecords(_fetcher.PartitionRecords):  # type: ignore[misc
                 record = next(inner)
             except StopIteration:
                 return
+            except CorruptRecordException:
+                # The CRC covers the batch's own offset fields: its range is not to be
+                # trusted (a corrupt last offset delta named a thousand offsets beyond
+                # the log end), and a mismatch may be transient (one bad replica before
+                # a leader change). The engine's failed-fetch path: retried, /readyz.
+                raise
             except Exception as exc:
                 batch = self._batches.current
                 try:

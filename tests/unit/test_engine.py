@@ -1082,6 +1082,23 @@ async def test_records_a_failing_fetch_drained_and_dropped_are_fetched_again(
     await h.stop()
 
 
+async def test_records_a_first_fetch_drained_and_dropped_are_fetched_again(
+    broker: FakeBroker,
+) -> None:
+    # As above, for a partition without a committed offset that has received nothing
+    # yet: the rewind had no offset to go back to, and the dropped records' offsets
+    # were committed past (review).
+    h = Harness(broker, retry_backoff_max_s=0.05)
+    broker.fail_after_draining = [ValueError("a batch header that does not parse (fake)")]
+    for i in range(3):
+        broker.append(IN, 0, b"k", b"v%d" % i)
+    await h.start(TP0)
+    await until(lambda: outputs(broker) == [b"v0", b"v1", b"v2"])
+    assert not broker.fail_after_draining
+    await until(lambda: broker.committed[("g", TP0)].offset == 3)
+    await h.stop()
+
+
 async def test_a_member_without_partitions_still_takes_the_group_errors(
     broker: FakeBroker,
 ) -> None:

@@ -86,12 +86,13 @@ def test_a_fetch_from_inside_the_batch_names_only_offsets_from_there_on() -> Non
     assert offsets(found) == [(2, True), (3, True)]
 
 
-def test_a_batch_whose_crc_does_not_match_is_unreadable_as_a_whole() -> None:
+def test_a_batch_whose_crc_does_not_match_still_raises() -> None:
+    # The CRC covers the batch's offsets: with a corrupt last offset delta, stubs named
+    # a thousand offsets past the batch (review). And a mismatch may heal on a retry.
     raw = batch(3, base=10)
     raw[-1] ^= 0x01  # a flipped bit in the last record's value
-    found = list(records(raw, fetch_offset=10))
-    assert offsets(found) == [(10, True), (11, True), (12, True)]
-    assert found[0].reason.startswith(CorruptRecordException.__name__)
+    with pytest.raises(CorruptRecordException):
+        list(records(raw, fetch_offset=10))
 
 
 def test_max_records_resumes_among_the_unreadable_offsets() -> None:
