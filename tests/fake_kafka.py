@@ -320,17 +320,4 @@ class FakeConsumer:
 def _handed_out(rec: Rec) -> Any:
     if rec.unreadable is None:
         return rec
-    return UnreadableRecord(
-        rec.topic,
-        rec.partition,
-        rec.offset,
-        -1,
-        0,
-        None,
-        None,
-        None,
-        -1,
-        -1,
-        (),
-        reason=rec.unreadable,
-    )
+    return UnreadableRecord.at(rec.topic, rec.partition, rec.offset, rec.unreadable)

@@ -52,6 +52,10 @@ class UnreadableRecord(ConsumerRecord[bytes, bytes]):  # type: ignore[misc]  # u
 
     reason: str = ""
 
+    @classmethod
+    def at(cls, topic: str, partition: int, offset: int, reason: str) -> UnreadableRecord:
+        return cls(topic, partition, offset, -1, 0, None, None, None, -1, -1, (), reason=reason)
+
 
 class _Batch:
     """One fetched batch, as aiokafka's iterator uses it, remembering the last offset
@@ -139,20 +143,7 @@ class _TolerantPartitionRecords(_fetcher.PartitionRecords):  # type: ignore[misc
                     # Before handing it out: getall() stops after max_records and takes
                     # the position from here, so the next call resumes at the next one.
                     self.next_fetch_offset = offset + 1
-                    yield UnreadableRecord(
-                        self._tp.topic,
-                        self._tp.partition,
-                        offset,
-                        -1,
-                        0,
-                        None,
-                        None,
-                        None,
-                        -1,
-                        -1,
-                        (),
-                        reason=reason,
-                    )
+                    yield UnreadableRecord.at(self._tp.topic, self._tp.partition, offset, reason)
                 # The rest of this fetch is read again from the next batch on.
                 self.next_fetch_offset = max(self.next_fetch_offset, end)
                 return

@@ -1061,41 +1061,29 @@ async def test_a_record_the_client_cannot_read_is_one_stub_dead_letter(
     await h.stop()
 
 
+@pytest.mark.parametrize("received_before", [1, 0], ids=["later-fetch", "first-fetch"])
 async def test_records_a_failing_fetch_drained_and_dropped_are_fetched_again(
-    broker: FakeBroker,
+    broker: FakeBroker, received_before: int
 ) -> None:
     # aiokafka's getmany() moves each partition's position as it drains it and raises
     # when a later one fails to parse: the records drained first are gone from the
     # client. Before the rewind they were committed past without an output. And an error
-    # that is not a KafkaError ended run(), and with it the process.
+    # that is not a KafkaError ended run(), and with it the process. first-fetch: a
+    # partition without a committed offset that has received nothing yet, where the
+    # rewind first had no offset to go back to (review).
     h = Harness(broker, retry_backoff_max_s=0.05)
-    broker.append(IN, 0, b"k", b"v0")
+    values = [b"v%d" % i for i in range(4)]
+    for v in values[:received_before]:
+        broker.append(IN, 0, b"k", v)
     await h.start(TP0)
-    await until(lambda: outputs(broker) == [b"v0"])
+    await until(lambda: outputs(broker) == values[:received_before])
     broker.fail_after_draining = [ValueError("a batch header that does not parse (fake)")]
-    for i in range(1, 4):
-        broker.append(IN, 0, b"k", b"v%d" % i)
-    await until(lambda: outputs(broker) == [b"v0", b"v1", b"v2", b"v3"])
+    for v in values[received_before:]:
+        broker.append(IN, 0, b"k", v)
+    await until(lambda: outputs(broker) == values)
     assert not broker.fail_after_draining  # the failure did happen
     await until(lambda: broker.committed[("g", TP0)].offset == 4)
     assert not h.task.done()  # type: ignore[union-attr]
-    await h.stop()
-
-
-async def test_records_a_first_fetch_drained_and_dropped_are_fetched_again(
-    broker: FakeBroker,
-) -> None:
-    # As above, for a partition without a committed offset that has received nothing
-    # yet: the rewind had no offset to go back to, and the dropped records' offsets
-    # were committed past (review).
-    h = Harness(broker, retry_backoff_max_s=0.05)
-    broker.fail_after_draining = [ValueError("a batch header that does not parse (fake)")]
-    for i in range(3):
-        broker.append(IN, 0, b"k", b"v%d" % i)
-    await h.start(TP0)
-    await until(lambda: outputs(broker) == [b"v0", b"v1", b"v2"])
-    assert not broker.fail_after_draining
-    await until(lambda: broker.committed[("g", TP0)].offset == 3)
     await h.stop()
 
 
