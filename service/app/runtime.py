@@ -42,6 +42,11 @@ log = structlog.get_logger(__name__)
 
 # How often the frozen heap is unfrozen, collected and frozen again (see _heap_keeper).
 HEAP_REFREEZE_S = 600.0
+# Liveness during a rebalance (see Runtime._waiting_out_kafka): aiokafka's default
+# request timeout, which the service does not change; and how much of the loop's idle
+# time may be its own work before the getmany() it waits in (a fetch linger, a turn).
+_AIOKAFKA_REQUEST_TIMEOUT_S = 40.0
+_GROUP_WAIT_SLACK_S = 5.0
 
 
 # ---------------------------------------------------------------------- config -> parts
@@ -258,8 +263,25 @@ class Runtime:
             # Per-poll work is bounded by the partition budget plus one Kubernetes
             # timeout: a loop idle for longer than the bound is wedged.
             if idle > self.config.liveness_bound_s:
+                if self._waiting_out_kafka(idle):
+                    return True, f"waiting for the Kafka group for {idle:.0f}s (kafka away)"
                 return False, f"consume loop has not turned for {idle:.0f}s"
         return True, "ok"
+
+    def _waiting_out_kafka(self, idle: float) -> bool:
+        """The loop is not wedged but waits in aiokafka's getmany() for a rebalance's
+        assignment, which it does without limit once the rebalance has begun: through a
+        whole broker outage. Outside a rebalance the loop keeps turning in an outage (its
+        back-off); a restart would help neither. Exempt while (nearly) all the idle time
+        is that wait and a Kafka probe failed lately: within a session timeout plus
+        aiokafka's request timeout (40 s) after the broker answers again the group has
+        settled or the member has rejoined."""
+        probe = self.kafka_probe
+        if probe is None or self.stream is None:
+            return False
+        waiting = self.stream.fetching_for()
+        grace = self.config.session_timeout_ms / 1000 + _AIOKAFKA_REQUEST_TIMEOUT_S
+        return waiting > 0 and idle - waiting < _GROUP_WAIT_SLACK_S and probe.failed_within(grace)
 
     async def _ready(self) -> tuple[bool, str]:
         if self.stream is None or not self.stream.started:

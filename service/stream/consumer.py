@@ -351,6 +351,7 @@ class StreamService:
         self.last_loop = clock()
         self.processed = 0
         self.fetch_error: str | None = None  # set while fetching fails (for readiness)
+        self._fetch_started: float | None = None  # while the loop awaits getmany()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -475,9 +476,13 @@ class StreamService:
                 # coordinator waits until the user has taken them: measured after a
                 # broker restart, one SyncGroup answered GroupLoadInProgress left a member
                 # that had no partition yet without any, for good.
-                batch: dict[TopicPartition, list[ConsumerRecord]] = await consumer.getmany(
-                    *open_tps, timeout_ms=self._s.poll_timeout_ms, max_records=max_records
-                )
+                self._fetch_started = self._clock()
+                try:
+                    batch: dict[TopicPartition, list[ConsumerRecord]] = await consumer.getmany(
+                        *open_tps, timeout_ms=self._s.poll_timeout_ms, max_records=max_records
+                    )
+                finally:
+                    self._fetch_started = None
                 polled = self._clock()
             except ConsumerStoppedError:
                 raise  # closed under it: nothing more to fetch
@@ -1399,6 +1404,12 @@ class StreamService:
     @property
     def assignment(self) -> set[TopicPartition]:
         return set(self._assigned)
+
+    def fetching_for(self) -> float:
+        """How long the loop has been waiting in getmany() (0: not in it). Beyond the
+        poll timeout it is aiokafka waiting for a rebalance's new assignment."""
+        started = self._fetch_started
+        return 0.0 if started is None else max(0.0, self._clock() - started)
 
     def stalled(self) -> dict[TopicPartition, str]:
         """Assigned partitions that cannot make progress, with the reason (for readiness)."""

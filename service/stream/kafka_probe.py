@@ -39,6 +39,7 @@ class KafkaProbe:
         self._client: Any = None
         self._task: asyncio.Task[None] | None = None
         self._last_ok: float | None = None
+        self._last_failed: float | None = None
         self._since = clock()  # reference until the first success
         self.last_error = "not probed yet"
         self.probes = 0
@@ -71,6 +72,11 @@ class KafkaProbe:
         ref = self._last_ok if self._last_ok is not None else self._since
         return max(0.0, self._clock() - ref)
 
+    def failed_within(self, seconds: float) -> bool:
+        """A probe failed in the last ``seconds`` (a timed-out one counts when it ends)."""
+        failed = self._last_failed
+        return failed is not None and self._clock() - failed <= seconds
+
     async def probe_once(self) -> bool:
         self.probes += 1
         try:
@@ -83,6 +89,7 @@ class KafkaProbe:
             if self.last_error == "" or (self._last_ok is None and self.probes == 1):
                 log.warning("kafka_unreachable", error=self._describe(exc))
             self.last_error = self._describe(exc)
+            self._last_failed = self._clock()
             # A client that failed to bootstrap is unusable; a fresh one is cheap.
             await self._close_client()
             return False

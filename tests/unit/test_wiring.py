@@ -74,8 +74,46 @@ def test_the_watch_renewal_defaults_to_within_the_readiness_bound() -> None:
 class _Loop:
     started = True
 
-    def __init__(self, idle_s: float) -> None:
+    def __init__(self, idle_s: float, fetching_s: float = 0.0) -> None:
         self.last_loop = time.monotonic() - idle_s
+        self.fetching_s = fetching_s
+
+    def fetching_for(self) -> float:
+        return self.fetching_s
+
+
+class _Probe:
+    def __init__(self, failed_ago_s: float | None) -> None:
+        self.failed_ago_s = failed_ago_s
+
+    def failed_within(self, seconds: float) -> bool:
+        return self.failed_ago_s is not None and self.failed_ago_s <= seconds
+
+
+def test_liveness_spares_a_loop_waiting_in_a_rebalance_while_kafka_is_away() -> None:
+    # aiokafka's getmany() waits for a rebalance's assignment without limit, through a
+    # whole broker outage: a wait, not a wedge. The real-stack counterpart is
+    # test_broker_frozen.py::test_a_broker_outage_during_a_rebalance_is_no_reason_to_restart.
+    runtime = Runtime(
+        Config.load(env={"CRS_LIVENESS_BOUND_S": "5", "CRS_RETRY_BACKOFF_MAX_S": "2"})
+    )
+    fake: Any = runtime
+    fake.kafka_probe = _Probe(failed_ago_s=3)
+    fake.stream = _Loop(idle_s=30, fetching_s=29)
+    ok, detail = runtime._alive()
+    assert ok
+    assert "waiting for the Kafka group" in detail
+    # Kafka answering for longer than a session timeout plus a request timeout: wedged.
+    fake.kafka_probe = _Probe(failed_ago_s=60)
+    assert not runtime._alive()[0]
+    fake.kafka_probe = _Probe(failed_ago_s=None)
+    assert not runtime._alive()[0]
+    # Idle outside getmany() (the loop's own code): wedged, whatever Kafka does.
+    fake.kafka_probe = _Probe(failed_ago_s=3)
+    fake.stream = _Loop(idle_s=30, fetching_s=0)
+    assert not runtime._alive()[0]
+    fake.stream = _Loop(idle_s=30, fetching_s=10)
+    assert not runtime._alive()[0]
 
 
 def test_liveness_fails_after_the_configured_bound() -> None:
