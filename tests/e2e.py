@@ -217,6 +217,19 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+async def http_get(port: int, path: str, timeout_s: float = 2.0) -> tuple[int | None, str]:
+    """Status and body of the service's ``path`` on ``port``; (None, "") when it does
+    not answer in ``timeout_s`` (a probe on a busy host)."""
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http,
+            http.get(f"http://127.0.0.1:{port}{path}") as resp,
+        ):
+            return resp.status, await resp.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return None, ""
+
+
 async def metrics_at(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of the service's /metrics on ``port``: (name, sorted labels) -> value."""
     async with (

@@ -306,9 +306,9 @@ def _lone_to_replacement(match: re.Match[bytes]) -> bytes:
 def _surrogates_replaced(value: bytes) -> bytes | None:
     """``value`` with each lone UTF-16 surrogate escape read as U+FFFD, as Go's
     encoding/json reads it (Python's json.dumps writes one for a string holding a lone
-    surrogate; msgspec refuses the document). None when there is none. Runs only after a
-    decode failed at a surrogate; one pass over the bytes (a parse of the document in
-    Python took seconds for a hostile megabyte, holding the event loop)."""
+    surrogate; msgspec refuses the document). None when there is none. Runs after every
+    failed decode; one pass over the bytes (a parse of the document in Python took
+    seconds for a hostile megabyte, holding the event loop)."""
     fixed = _SURROGATE_ESCAPE.sub(_lone_to_replacement, value)
     return None if fixed == value else fixed
 

@@ -260,8 +260,6 @@ class _Partition:
         self.ahead_until = 0.0
         # When its producer's last transaction ended (committed or aborted): see _send.
         self.txn_ended = float("-inf")
-        # Where the take-over sought to: fetching goes on from here until a record came.
-        self.fetch_from = 0
 
 
 class _TokenBucket:
@@ -545,11 +543,11 @@ class StreamService:
         """Seek every partition being processed back to the offset after the last record
         it received, where aiokafka's fetch position has moved past it."""
         for tp, part in self._parts.items():
-            expected = part.ledger.next_expected
-            if expected is None:  # nothing received yet (no commit either)
-                expected = part.fetch_from
             if part.draining or part.closed:
                 continue
+            expected = part.ledger.next_expected
+            if expected is None:  # no commit and nothing received: the take-over sought 0
+                expected = 0
             position = _fetch_position(consumer, tp)
             if position is not None and position > expected:
                 log.warning(
@@ -1153,7 +1151,6 @@ class StreamService:
             await self._drop(old)
         consumer.seek(tp, start if start is not None else 0)
         part = _Partition(tp, producer, Ledger(start, metadata))
-        part.fetch_from = start if start is not None else 0
         part.committer = asyncio.create_task(self._commit_loop(part))
         self._parts[tp] = part
         if start is not None:

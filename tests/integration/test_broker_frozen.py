@@ -35,7 +35,6 @@ import signal
 import time
 from typing import Any
 
-import aiohttp
 import pytest
 from aiokafka.admin import NewPartitions
 
@@ -207,21 +206,6 @@ async def test_a_freeze_past_the_commit_timeout_counts_and_commits_each_event_on
     assert codes == {"a": 0}, replicas.logs()
 
 
-async def _probe(port: int, path: str) -> tuple[int | None, str]:
-    try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http,
-            http.get(f"http://127.0.0.1:{port}{path}") as resp,
-        ):
-            return resp.status, await resp.text()
-    except (aiohttp.ClientError, TimeoutError):
-        return None, ""
-
-
-async def _status(port: int, path: str) -> int | None:
-    return (await _probe(port, path))[0]
-
-
 def _revokes(replicas: faults.Replicas, name: str) -> int:
     text = (replicas.log_dir / f"{name}.log").read_text(errors="replace")
     return text.count('"event":"partitions_revoking"')
@@ -256,7 +240,7 @@ async def test_a_broker_outage_during_a_rebalance_is_no_reason_to_restart(
     await faults.wait_group(boot, group, 1, timeout_s=60)
     replicas.spawn("c", topics)
     await faults.wait_group(boot, group, 2, timeout_s=60)
-    assert await _status(port, "/healthz") == 200
+    assert (await e2e.http_get(port, "/healthz"))[0] == 200
     os.kill(replicas.procs["c"].pid, signal.SIGSTOP)  # holds the next rebalance open
     before = _revokes(replicas, "a")
     replicas.spawn("b", topics)
@@ -271,7 +255,7 @@ async def test_a_broker_outage_during_a_rebalance_is_no_reason_to_restart(
     try:
         frozen_until = time.monotonic() + bound + 15
         while time.monotonic() < frozen_until:
-            status, body = await _probe(port, "/healthz")
+            status, body = await e2e.http_get(port, "/healthz")
             seen.append(status)
             bodies.append(body)
             await asyncio.sleep(0.5)
@@ -285,8 +269,8 @@ async def test_a_broker_outage_during_a_rebalance_is_no_reason_to_restart(
     # And the replica comes back by itself: the group settles, /readyz is OK again.
     await faults.wait_group(boot, group, 3, timeout_s=120)
     deadline = time.monotonic() + 60
-    while await _status(port, "/readyz") != 200:
+    while (await e2e.http_get(port, "/readyz"))[0] != 200:
         assert time.monotonic() < deadline, replicas.logs()
         await asyncio.sleep(0.5)
-    assert await _status(port, "/healthz") == 200
+    assert (await e2e.http_get(port, "/healthz"))[0] == 200
     replicas.assert_running()

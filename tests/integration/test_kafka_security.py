@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 import pytest_asyncio
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -291,22 +290,14 @@ async def test_a_stop_ends_the_back_off_after_a_fetch_refused_by_a_revoked_acl(
         await secure_kafka.revoke(who, acls)
 
 
-async def readyz(port: int) -> tuple[int, str]:
-    async with (
-        aiohttp.ClientSession() as session,
-        session.get(f"http://127.0.0.1:{port}/readyz") as resp,
-    ):
-        return resp.status, await resp.text()
-
-
 async def until_ready_is(
     port: int, status: int, cause: str, service: subprocess.Popen[bytes], log: Path
 ) -> None:
     deadline = time.monotonic() + 30
-    seen: tuple[int, str] = (0, "")
+    seen: tuple[int | None, str] = (0, "")
     while time.monotonic() < deadline:
         assert service.poll() is None, log.read_text()[-3000:]
-        seen = await readyz(port)
+        seen = await e2e.http_get(port, "/readyz")
         if seen[0] == status and cause in seen[1]:
             return
         await asyncio.sleep(0.2)
@@ -365,7 +356,7 @@ async def test_readiness_follows_revoked_and_restored_acls(
             while log.read_text().count('"event":"partition_acquired"') < acquired + 2:
                 assert time.monotonic() < deadline, log.read_text()[-3000:]
                 await asyncio.sleep(0.2)
-            status, body = await readyz(port)
+            status, body = await e2e.http_get(port, "/readyz")
             assert (status, "commit failing" in body) == (503, True), body
             await secure_kafka.grant(who, [write_output])
             outputs = await read_as_admin(secure_kafka, topics["output"], 3)

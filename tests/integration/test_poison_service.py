@@ -19,14 +19,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaProducer
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from aiokafka.record.util import calc_crc32c
-from aiokafka.structs import TopicPartition
 
 from service.stream.codec import encode_input
 from tests import e2e
 from tests.conftest import DevStack
+from tests.integration import test_engine_faults as faults
 from tests.integration.test_service_resilience import (
     PARTITIONS,
     placements,
@@ -248,17 +248,6 @@ async def publish_unreadable_batch(
         await producer.stop()
 
 
-async def end_offsets(bootstrap: str, topic: str) -> dict[TopicPartition, int]:
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
-    await consumer.start()
-    try:
-        return dict(
-            await consumer.end_offsets([TopicPartition(topic, p) for p in range(PARTITIONS)])
-        )
-    finally:
-        await consumer.stop()
-
-
 async def publish_compressed(bootstrap: str, topic: str, records: list[Any], codec: str) -> None:
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", compression_type=codec)
     await producer.start()
@@ -305,11 +294,9 @@ async def test_records_the_kafka_client_cannot_read_become_stubs_and_stop_no_rep
         )
         alive = [proc.poll() is None for proc in replicas]
         assert all(alive), f"a replica exited: {[p.returncode for p in replicas]}\n{tails()}"
-        ends = await end_offsets(bootstrap, topics["input"])
-        for tp, end in ends.items():
-            found = await e2e.committed(bootstrap, cfg.group_id, tp)
-            assert found is not None, tp
-            assert found.offset == end, (tp, found, end)
+        ends = await faults.end_offsets(bootstrap, topics["input"], PARTITIONS)
+        committed = await faults.committed_offsets(bootstrap, cfg.group_id, topics["input"])
+        assert committed == ends
     finally:
         codes = [stop(proc) for proc in replicas]
     assert codes == [0, 0], tails()
