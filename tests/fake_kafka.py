@@ -197,6 +197,15 @@ class FakeProducer:
 class _Coordinator:
     def __init__(self, consumer: FakeConsumer) -> None:
         self._c = consumer
+        # aiokafka's group coordination task: runs for the consumer's life unless an
+        # unexpected error ends it (see end_coordination).
+        self._coordination_task: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def end_coordination(self, error: BaseException) -> None:
+        """What aiokafka does when its coordination task dies: the task ends with a
+        KafkaError, and every getmany() from then on raises it."""
+        self._coordination_task.set_exception(error)
+        self._c.broker.fail_fetches = [error] * 1_000_000
 
     async def fetch_committed_offsets(
         self, tps: Iterable[TopicPartition]

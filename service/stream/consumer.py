@@ -82,7 +82,7 @@ from service.stream.processor import (
     stub_dead_letter,
 )
 
-__all__ = ["StreamService", "StreamSettings", "transactional_id_for"]
+__all__ = ["KafkaClientEnded", "StreamService", "StreamSettings", "transactional_id_for"]
 
 # A lane worker with nothing to do for this long ends (a burst leaves no idle tasks).
 _WORKER_IDLE_S = 5.0
@@ -176,6 +176,12 @@ class _Done:
 
     out: OutRecord
     counts: deferred.Increments
+
+
+class KafkaClientEnded(Exception):
+    """aiokafka's group coordination has ended for good (see _coordination_ended): this
+    consumer never fetches again, only a new one does. run() raises it after committing
+    the work in hand, and the process exits for its supervisor to start it afresh."""
 
 
 class _Rejected(Exception):
@@ -441,6 +447,7 @@ class StreamService:
         linger = self._s.fetch_linger_ms / 1000
         next_fetch = 0.0
         polled = self._clock()
+        ended: BaseException | None = None
         while not self._stopping.is_set():
             self.last_loop = now = self._clock()
             if next_fetch > now:
@@ -492,6 +499,14 @@ class StreamService:
                 # error: each partition goes back to where its records stopped.
                 failures += 1
                 self._rewind(consumer)
+                if (ended := _coordination_ended(consumer)) is not None:
+                    self.fetch_error = f"{type(ended).__name__}: {str(ended)[:200]}"
+                    log.error(
+                        "kafka_group_client_ended",
+                        error=self.fetch_error,
+                        hint="committing the work in hand, then exiting for a fresh client",
+                    )
+                    break
                 delay = (
                     self._s.retry_backoff_max_s
                     if isinstance(exc, _AUTHZ)
@@ -518,6 +533,8 @@ class StreamService:
         # Stop: finish the records in hand (bounded) and commit them.
         log.info("stopping_releasing_partitions", partitions=len(self._parts))
         await self._release(list(self._parts), wait_s=self._s.stop_wait_s)
+        if ended is not None:
+            raise KafkaClientEnded(self.fetch_error) from ended
 
     def _feed(self, part: _Partition, records: list[ConsumerRecord]) -> None:
         for record in records:
@@ -1419,6 +1436,23 @@ def _producer_identity(producer: Any) -> tuple[int, int] | None:
     if txn is None or txn.producer_id is None or txn.producer_id < 0:
         return None
     return int(txn.producer_id), int(txn.producer_epoch)
+
+
+def _coordination_ended(consumer: Any) -> BaseException | None:
+    """The error that ended aiokafka's group coordination, once it has; else None.
+
+    aiokafka runs the whole group protocol (join, sync, heartbeats, every rejoin) in one
+    background task and never starts another. An exception it does not expect there ends
+    it: measured, assignment bytes it cannot decode, which any client that joins the
+    group by its id and leads a rebalance can hand out. From then on every getmany()
+    raises that error, the member drops out of the group when its session expires and
+    never joins again: retrying the fetch cannot help, a new consumer does.
+    """
+    task = getattr(getattr(consumer, "_coordinator", None), "_coordination_task", None)
+    if task is None or not task.done() or task.cancelled():
+        return None
+    error: BaseException | None = task.exception()
+    return error
 
 
 def _fetch_position(consumer: Any, tp: TopicPartition) -> int | None:

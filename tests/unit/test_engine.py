@@ -18,12 +18,17 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from aiokafka.errors import KafkaConnectionError
+from aiokafka.errors import KafkaConnectionError, KafkaError
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from service.stream import consumer as consumer_module
 from service.stream.codec import InputRef, encode_input
-from service.stream.consumer import StreamService, StreamSettings, transactional_id_for
+from service.stream.consumer import (
+    KafkaClientEnded,
+    StreamService,
+    StreamSettings,
+    transactional_id_for,
+)
 from service.stream.metrics import StreamMetrics
 from service.stream.partitioner import partition_for_key
 from service.stream.processor import OutRecord, Processor, RetryLater
@@ -1037,6 +1042,29 @@ async def test_a_failing_fetch_keeps_the_loop_turning_and_says_why(broker: FakeB
     await h.stop()
 
 
+async def test_an_ended_group_coordination_commits_the_work_in_hand_and_ends_run(
+    broker: FakeBroker,
+) -> None:
+    # aiokafka never restarts its coordination task; once it has ended every getmany()
+    # raises. Before, the loop retried that for good: up, never fetching again, never
+    # restarted (tests/integration/test_foreign_group_member.py).
+    h = Harness(broker, stop_wait_s=5.0)
+    gate = h.processor.gates[b"v1"] = asyncio.Event()
+    for i in range(3):
+        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    await h.start(TP0)
+    await until(lambda: sorted(outputs(broker)) == [b"v0", b"v2"])
+    h.consumer._coordinator.end_coordination(KafkaError("Unexpected error during coordination"))
+    await until(lambda: h.service.fetch_error is not None)
+    assert not h.task.done()  # type: ignore[union-attr]
+    gate.set()  # the record in hand is finished and committed before run() ends
+    with pytest.raises(KafkaClientEnded, match="Unexpected error during coordination"):
+        await asyncio.wait_for(h.task, 5)  # type: ignore[arg-type]
+    assert sorted(outputs(broker)) == [b"v0", b"v1", b"v2"]
+    assert broker.committed[("g", TP0)].offset == 3
+    await h.service.close()
+
+
 async def test_a_record_the_client_cannot_read_is_one_stub_dead_letter(
     broker: FakeBroker,
 ) -> None:
@@ -1093,7 +1121,6 @@ async def test_a_member_without_partitions_still_takes_the_group_errors(
     # aiokafka's group coordinator waits until the user has taken a group error (from
     # getmany) before it joins again: a fetch loop that stopped asking while it had no
     # partition left the member without any for good (seen after a broker restart).
-    from aiokafka.errors import KafkaError
 
     h = Harness(broker, retry_backoff_max_s=0.05)
     broker.fail_fetches = [KafkaError("SyncGroup: GroupLoadInProgressError")]
