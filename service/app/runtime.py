@@ -31,7 +31,7 @@ from service.crs.ports import ApiError
 from service.k8s import K8sMetrics, KubeClient, ListClusterState
 from service.k8s.cache import WatchClusterState
 from service.stream.codec import clip
-from service.stream.consumer import StreamService, StreamSettings
+from service.stream.consumer import KafkaClientEnded, StreamService, StreamSettings
 from service.stream.kafka_probe import KafkaProbe
 from service.stream.metrics import StreamMetrics
 from service.stream.processor import Processor
@@ -391,23 +391,51 @@ async def _close(part: str, close: Callable[[], Awaitable[object]]) -> None:
 
 async def run_service(config: Config) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code."""
-    runtime = Runtime(config)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    # Transient Kafka/Kubernetes errors are retried; a configuration error exits.
-    running = await _start_with_retry(runtime, stop)
-    if running is None:
-        return 0 if stop.is_set() else 1
-    runtime = running
+    runtime = Runtime(config)
+    restarts = 0
+    while True:
+        # Transient Kafka/Kubernetes errors are retried; a configuration error exits.
+        running = await _start_with_retry(runtime, stop)
+        if running is None:
+            return 0 if stop.is_set() else 1
+        began = time.monotonic()
+        outcome = await _run(running, stop)
+        if isinstance(outcome, int):
+            return outcome
+        # The Kafka client ended for good (see KafkaClientEnded) and its parts are
+        # closed: start afresh in this process, as a failed start-up is, keeping the
+        # HTTP server (/readyz says why) and backing off while it keeps ending at once
+        # (the foreign group member that ends it is still there).
+        quick = time.monotonic() - began < 2 * config.retry_backoff_max_s
+        restarts = restarts + 1 if quick else 1
+        delay = backoff.exponential(restarts, config.retry_backoff_s, config.retry_backoff_max_s)
+        log.warning("kafka_client_restarting", error=outcome, restarts=restarts, retry_in_s=delay)
+        runtime = running.handover(f"the Kafka client ended: {outcome}")
+        with contextlib.suppress(TimeoutError):  # a stop ends the wait (and the start)
+            await asyncio.wait_for(stop.wait(), delay)
+
+
+async def _run(runtime: Runtime, stop: asyncio.Event) -> int | str:
+    """Run the started ``runtime`` until a stop signal or its end, then stop it; returns
+    the exit code, or why the Kafka client ended (the parts stopped, the front kept)."""
+    config = runtime.config
     run_task = asyncio.create_task(runtime.run(), name="consume-loop")
     stop_task = asyncio.create_task(stop.wait(), name="stop-signal")
     done, _ = await asyncio.wait({run_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
-    if run_task in done and run_task.exception() is not None:
-        log.error("consume_loop_failed", error=repr(run_task.exception()))
-        code = 1
+    if run_task in done and (failed := run_task.exception()) is not None:
+        if not isinstance(failed, KafkaClientEnded):
+            log.error("consume_loop_failed", error=repr(failed))
+            code = 1
+        elif not stop.is_set():
+            stop_task.cancel()
+            with contextlib.suppress(Exception):  # each failure is logged by stop()
+                await asyncio.wait_for(runtime.stop(keep_front=True), config.shutdown_timeout_s)
+            return clip(str(failed))
     log.info("shutting_down")
     runtime.request_stop()
     deadline = config.shutdown_timeout_s

@@ -181,7 +181,7 @@ class _Done:
 class KafkaClientEnded(Exception):
     """aiokafka's group coordination has ended for good (see _coordination_ended): this
     consumer never fetches again, only a new one does. run() raises it after committing
-    the work in hand, and the process exits for its supervisor to start it afresh."""
+    the work in hand; the runtime then starts afresh with new clients."""
 
 
 class _Rejected(Exception):
@@ -504,7 +504,7 @@ class StreamService:
                     log.error(
                         "kafka_group_client_ended",
                         error=self.fetch_error,
-                        hint="committing the work in hand, then exiting for a fresh client",
+                        hint="committing the work in hand, then restarting with new clients",
                     )
                     break
                 delay = (
