@@ -218,6 +218,13 @@ class _Coordinator:
         return out
 
 
+class _Fetcher:
+    def __init__(self) -> None:
+        # aiokafka's fetch task (its ``error_future``): runs for the consumer's life
+        # unless an unexpected error ends it; then getmany() returns no record, for good.
+        self.error_future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+
 class FakeConsumer:
     def __init__(self, broker: FakeBroker, **kwargs: Any) -> None:
         self.broker = broker
@@ -229,6 +236,7 @@ class FakeConsumer:
         self.listener: Any = None
         self.stopped = False
         self._coordinator = _Coordinator(self)
+        self._fetcher = _Fetcher()
         self.commits: list[dict[TopicPartition, OffsetAndMetadata]] = []
         self.asked: list[set[TopicPartition]] = []  # the partitions each getmany asked for
         self.asked_at: list[float] = []  # when (time.monotonic)
@@ -302,6 +310,9 @@ class FakeConsumer:
     ) -> dict[TopicPartition, list[Rec]]:
         if self.broker.fail_fetches:
             raise self.broker.fail_fetches.pop(0)
+        if self._fetcher.error_future.done():  # nothing is fetched any more
+            await asyncio.sleep(timeout_ms / 1000)
+            return {}
         limit = max_records or self.max_records
         out: dict[TopicPartition, list[Rec]] = {}
         wanted = set(partitions) if partitions else self._assigned

@@ -179,7 +179,7 @@ class _Done:
 
 
 class KafkaClientEnded(Exception):
-    """aiokafka's group coordination has ended for good (see _coordination_ended): this
+    """One of aiokafka's consumer tasks has ended for good (see _background_ended): this
     consumer never fetches again, only a new one does. run() raises it after committing
     the work in hand; the runtime then starts afresh with new clients."""
 
@@ -499,13 +499,7 @@ class StreamService:
                 # error: each partition goes back to where its records stopped.
                 failures += 1
                 self._rewind(consumer)
-                if (ended := _coordination_ended(consumer)) is not None:
-                    self.fetch_error = f"{type(ended).__name__}: {str(ended)[:200]}"
-                    log.error(
-                        "kafka_group_client_ended",
-                        error=self.fetch_error,
-                        hint="committing the work in hand, then restarting with new clients",
-                    )
+                if (ended := self._client_ended(consumer)) is not None:
                     break
                 delay = (
                     self._s.retry_backoff_max_s
@@ -522,6 +516,8 @@ class StreamService:
                 self.fetch_error = None
             if batch:
                 next_fetch = self._clock() + linger
+            elif (ended := self._client_ended(consumer)) is not None:
+                break
             for tp, records in batch.items():
                 part = self._parts.get(tp)
                 if part is None or part.draining or part.closed:
@@ -535,6 +531,22 @@ class StreamService:
         await self._release(list(self._parts), wait_s=self._s.stop_wait_s)
         if ended is not None:
             raise KafkaClientEnded(self.fetch_error) from ended
+
+    def _client_ended(self, consumer: Any) -> BaseException | None:
+        """The error that ended one of the consumer's background tasks for good (see
+        _background_ended), said once; else None."""
+        found = _background_ended(consumer)
+        if found is None:
+            return None
+        task, error = found
+        self.fetch_error = f"{type(error).__name__}: {str(error)[:200]}"
+        log.error(
+            "kafka_client_ended",
+            task=task,
+            error=self.fetch_error,
+            hint="committing the work in hand, then restarting with new clients",
+        )
+        return error
 
     def _feed(self, part: _Partition, records: list[ConsumerRecord]) -> None:
         for record in records:
@@ -1438,21 +1450,29 @@ def _producer_identity(producer: Any) -> tuple[int, int] | None:
     return int(txn.producer_id), int(txn.producer_epoch)
 
 
-def _coordination_ended(consumer: Any) -> BaseException | None:
-    """The error that ended aiokafka's group coordination, once it has; else None.
+def _background_ended(consumer: Any) -> tuple[str, BaseException] | None:
+    """(which, error) once one of aiokafka's consumer tasks has ended with an error.
 
     aiokafka runs the whole group protocol (join, sync, heartbeats, every rejoin) in one
-    background task and never starts another. An exception it does not expect there ends
-    it: measured, assignment bytes it cannot decode, which any client that joins the
-    group by its id and leads a rebalance can hand out. From then on every getmany()
-    raises that error, the member drops out of the group when its session expires and
-    never joins again: retrying the fetch cannot help, a new consumer does.
+    background task and the fetching in another, and starts neither again. An exception
+    they do not expect ends them. Measured for the group's: assignment bytes it cannot
+    decode, which any client that joins the group by its id and leads a rebalance can
+    hand out; every getmany() then raises that error, and the member drops out of the
+    group when its session expires and never joins again. The fetch task's end raises
+    nothing: getmany() returns no record, for good, while all looks well. Either way
+    retrying cannot help, a new consumer does.
     """
-    task = getattr(getattr(consumer, "_coordinator", None), "_coordination_task", None)
-    if task is None or not task.done() or task.cancelled():
-        return None
-    error: BaseException | None = task.exception()
-    return error
+    tasks = (
+        ("group coordination", getattr(consumer, "_coordinator", None), "_coordination_task"),
+        ("fetching", getattr(consumer, "_fetcher", None), "error_future"),
+    )
+    for which, owner, name in tasks:
+        task = getattr(owner, name, None)
+        if task is not None and task.done() and not task.cancelled():
+            error: BaseException | None = task.exception()
+            if error is not None:
+                return which, error
+    return None
 
 
 def _fetch_position(consumer: Any, tp: TopicPartition) -> int | None:

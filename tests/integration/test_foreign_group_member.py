@@ -13,7 +13,7 @@ restarts nothing.
 
 The service now treats an ended coordination as the end of its Kafka clients: it commits
 whatever work it still holds (here none: the rejoin revoked its partitions first), says
-why (``kafka_group_client_ended``, /readyz), closes its parts and starts them afresh in
+why (``kafka_client_ended``, /readyz), closes its parts and starts them afresh in
 the same process, as a failed start-up is, backing off while the new client's group
 coordination keeps ending (``kafka_client_restarting``): the foreign leader is still
 there. Once it has left, the replica processes the rest.
@@ -175,16 +175,23 @@ async def test_a_foreign_leader_ending_the_kafka_client_restarts_it_not_stalls_i
                 )
             replicas.assert_running()
             await asyncio.sleep(0.2)
-        status, body = await e2e.http_get(port, "/readyz")
-        assert status == 503, body
-        assert "Unexpected error during coordination" in body, body
         # While the foreign leader stays, each fresh client meets it again: restarts back
-        # off instead of turning hot.
-        await asyncio.sleep(12)
+        # off instead of turning hot, and /readyz names the error most of the time (in
+        # between: the fresh watch caches syncing, the fresh client waiting for its
+        # assignment, which is ready as any member without partitions is; measured 41 of
+        # 48 answers naming it).
+        answers: list[tuple[int | None, str]] = []
+        until = time.monotonic() + 12
+        while time.monotonic() < until:
+            answers.append(await e2e.http_get(port, "/readyz"))
+            await asyncio.sleep(0.25)
         replicas.assert_running()
+        naming = [s for s, b in answers if "Unexpected error during coordination" in b]
+        assert set(naming) == {503}, answers
+        assert len(naming) > len(answers) / 2, answers
     finally:
         await foreign.leave()
-    ended = _events(replicas, "a", "kafka_group_client_ended")
+    ended = _events(replicas, "a", "kafka_client_ended")
     restarting = _events(replicas, "a", "kafka_client_restarting")
     assert ended, replicas.logs()
     assert "Unexpected error during coordination" in ended[0]["error"], ended

@@ -1042,23 +1042,30 @@ async def test_a_failing_fetch_keeps_the_loop_turning_and_says_why(broker: FakeB
     await h.stop()
 
 
-async def test_an_ended_group_coordination_commits_the_work_in_hand_and_ends_run(
-    broker: FakeBroker,
+@pytest.mark.parametrize("task", ["group coordination", "fetching"])
+async def test_an_ended_client_task_commits_the_work_in_hand_and_ends_run(
+    broker: FakeBroker, task: str
 ) -> None:
-    # aiokafka never restarts its coordination task; once it has ended every getmany()
-    # raises. Before, the loop retried that for good: up, never fetching again, never
-    # restarted (tests/integration/test_foreign_group_member.py).
+    # aiokafka never restarts its coordination or fetch task. Once the first has ended
+    # every getmany() raises: the loop retried that for good, up and never fetching again
+    # (tests/integration/test_foreign_group_member.py). Once the second has, getmany()
+    # returns nothing, for good, and nothing looked wrong.
     h = Harness(broker, stop_wait_s=5.0)
     gate = h.processor.gates[b"v1"] = asyncio.Event()
     for i in range(3):
         broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
     await h.start(TP0)
     await until(lambda: sorted(outputs(broker)) == [b"v0", b"v2"])
-    h.consumer._coordinator.end_coordination(KafkaError("Unexpected error during coordination"))
+    if task == "fetching":
+        h.consumer._fetcher.error_future.set_exception(
+            KafkaError("Unexpected error during data retrieval")
+        )
+    else:
+        h.consumer._coordinator.end_coordination(KafkaError("Unexpected error during coordination"))
     await until(lambda: h.service.fetch_error is not None)
     assert not h.task.done()  # type: ignore[union-attr]
     gate.set()  # the record in hand is finished and committed before run() ends
-    with pytest.raises(KafkaClientEnded, match="Unexpected error during coordination"):
+    with pytest.raises(KafkaClientEnded, match="Unexpected error during"):
         await asyncio.wait_for(h.task, 5)  # type: ignore[arg-type]
     assert sorted(outputs(broker)) == [b"v0", b"v1", b"v2"]
     assert broker.committed[("g", TP0)].offset == 3
