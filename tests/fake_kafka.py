@@ -201,10 +201,17 @@ class _Coordinator:
         # unexpected error ends it (see end_coordination).
         self._coordination_task: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
-    def end_coordination(self, error: BaseException) -> None:
-        """What aiokafka does when its coordination task dies: the task ends with a
-        KafkaError, and every getmany() from then on raises it."""
-        self._coordination_task.set_exception(error)
+        # Its heartbeat and committed-offsets refresh tasks (None while not running).
+        self._heartbeat_task: asyncio.Future[None] | None = None
+        self._commit_refresh_task: asyncio.Future[None] | None = None
+
+    def end_task(self, name: str, error: BaseException) -> None:
+        """What aiokafka does when one of its group tasks (``_coordination_task``,
+        ``_heartbeat_task``, ``_commit_refresh_task``) dies: the task ends with the error,
+        and every getmany() from then on raises it."""
+        task = asyncio.get_running_loop().create_future()
+        task.set_exception(error)
+        setattr(self, name, task)
         self._c.broker.fail_fetches = [error] * 1_000_000
 
     async def fetch_committed_offsets(

@@ -25,6 +25,7 @@ from aiokafka import errors as kafka_errors
 from service import backoff
 from service.app.config import Config
 from service.app.http import HealthChecks, HttpServer, LoopWatchdog
+from service.app.kafka_access import KafkaAccessDenied
 from service.app.kafka_access import ensure_access as ensure_kafka_access
 from service.crs import Recorder
 from service.crs.ports import ApiError
@@ -399,7 +400,7 @@ async def run_service(config: Config) -> int:
     restarts = 0
     while True:
         # Transient Kafka/Kubernetes errors are retried; a configuration error exits.
-        running = await _start_with_retry(runtime, stop)
+        running = await _start_with_retry(runtime, stop, restarting=restarts > 0)
         if running is None:
             return 0 if stop.is_set() else 1
         began = time.monotonic()
@@ -433,8 +434,12 @@ async def _run(runtime: Runtime, stop: asyncio.Event) -> int | str:
             code = 1
         elif not stop.is_set():
             stop_task.cancel()
-            with contextlib.suppress(Exception):  # each failure is logged by stop()
+            try:
                 await asyncio.wait_for(runtime.stop(keep_front=True), config.shutdown_timeout_s)
+            except TimeoutError:
+                log.warning("restart_stop_timed_out", timeout_s=config.shutdown_timeout_s)
+            except Exception:  # each part's failure is logged by stop()
+                pass
             return clip(str(failed))
     log.info("shutting_down")
     runtime.request_stop()
@@ -502,12 +507,16 @@ def _transient_startup_error(exc: BaseException) -> bool:
     return isinstance(exc, OSError | TimeoutError | aiohttp.ClientError)
 
 
-async def _start_with_retry(runtime: Runtime, stop: asyncio.Event) -> Runtime | None:
+async def _start_with_retry(
+    runtime: Runtime, stop: asyncio.Event, *, restarting: bool = False
+) -> Runtime | None:
     """Start ``runtime``, retrying transient failures with capped exponential back-off.
 
     Returns the started runtime, or None after a configuration error (logged) or when a
     stop signal arrives while waiting. Each attempt starts from a fresh Runtime: a failed
     start is torn down completely first (its HTTP port, clients and producer released).
+    ``restarting``: the service already ran with this configuration, so what the broker
+    refuses now (an ACL, the credentials) changed on its side and is waited out.
     """
     config = runtime.config
     attempt = 0
@@ -535,7 +544,9 @@ async def _start_with_retry(runtime: Runtime, stop: asyncio.Event) -> Runtime | 
             return runtime
         except Exception as exc:
             error = clip(f"{type(exc).__name__}: {exc}")
-            transient = _transient_startup_error(exc)
+            transient = _transient_startup_error(exc) or (
+                restarting and isinstance(exc, (*_KAFKA_CONFIG_ERRORS, KafkaAccessDenied))
+            )
             # A retry keeps the HTTP server up: the kubelet restarts a pod whose liveness
             # probe goes unanswered, and /readyz says why it is not ready.
             closing = runtime.stop(keep_front=transient)

@@ -539,6 +539,9 @@ class StreamService:
         if found is None:
             return None
         task, error = found
+        # Stopping: no take-over or fence re-check starts while the work in hand is
+        # committed (the group will never revoke what this member still thinks it owns).
+        self._stopping.set()
         self.fetch_error = f"{type(error).__name__}: {str(error)[:200]}"
         log.error(
             "kafka_client_ended",
@@ -1453,17 +1456,26 @@ def _producer_identity(producer: Any) -> tuple[int, int] | None:
 def _background_ended(consumer: Any) -> tuple[str, BaseException] | None:
     """(which, error) once one of aiokafka's consumer tasks has ended with an error.
 
-    aiokafka runs the whole group protocol (join, sync, heartbeats, every rejoin) in one
-    background task and the fetching in another, and starts neither again. An exception
-    they do not expect ends them. Measured for the group's: assignment bytes it cannot
+    aiokafka runs the whole group protocol (join, sync, every rejoin) in one background
+    task, heartbeats and the committed offsets' refresh in two more and the fetching in a
+    fourth, and starts none of them again on its own. An error they do not expect ends
+    them. Measured for the group's: assignment bytes it cannot
     decode, which any client that joins the group by its id and leads a rebalance can
     hand out; every getmany() then raises that error, and the member drops out of the
     group when its session expires and never joins again. The fetch task's end raises
     nothing: getmany() returns no record, for good, while all looks well. Either way
     retrying cannot help, a new consumer does.
     """
+    coordinator = getattr(consumer, "_coordinator", None)
     tasks = (
-        ("group coordination", getattr(consumer, "_coordinator", None), "_coordination_task"),
+        ("group coordination", coordinator, "_coordination_task"),
+        # Both started again only by a rejoin, which nothing asks for once they have
+        # ended (the coordination routine hands their error to every getmany() instead).
+        # Measured: the heartbeat's first GROUP_AUTHORIZATION_FAILED (the group ACL
+        # revoked for a moment) ended it, and the member never rejoined once the ACL
+        # was back.
+        ("heartbeat", coordinator, "_heartbeat_task"),
+        ("committed offsets refresh", coordinator, "_commit_refresh_task"),
         ("fetching", getattr(consumer, "_fetcher", None), "error_future"),
     )
     for which, owner, name in tasks:

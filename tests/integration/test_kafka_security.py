@@ -371,6 +371,70 @@ async def test_readiness_follows_revoked_and_restored_acls(
         await secure_kafka.revoke(who, acls)
 
 
+async def test_the_group_acl_revoked_under_a_running_replica_and_restored_is_recovered_from(
+    secure_kafka: SecureKafka,
+    devstack: DevStack,
+    clean_k8s: Any,
+    topics: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """aiokafka's heartbeat task ends on its first GROUP_AUTHORIZATION_FAILED answer and
+    is started again only by a rejoin, which nothing asks for any more: every getmany()
+    raises the error again, the member drops out of its group and never rejoins, even
+    once the ACL is back (found by review). Now the ended heartbeat ends the Kafka client,
+    which is started afresh, and an authorization error met while restarting is waited
+    out, not taken for a configuration error: the service ran with this configuration."""
+    port = e2e.free_port()
+    env = {
+        **service_env(secure_kafka, "sasl", topics, devstack),
+        "CRS_HTTP_PORT": str(port),
+        "CRS_RETRY_BACKOFF_MAX_S": "1",
+    }
+    acls = required_acls(Config.load(env=env))
+    who = principal(secure_kafka, "sasl")
+    (group_read,) = [a for a in acls if a.resource_type == "Group"]
+    await secure_kafka.grant(who, acls)
+    log = tmp_path / "service.log"
+
+    def event() -> Any:
+        return e2e.good_record(*e2e.outcome(None, ["hv-3"], project="p3"))
+
+    try:
+        await e2e.seed_region(clean_k8s)
+        service = crs("run", env, log)
+        try:
+            await publish_as_admin(secure_kafka, topics["input"], [event()])
+            assert len(await read_as_admin(secure_kafka, topics["output"], 1)) == 1
+            await until_ready_is(port, 200, "assigned", service, log)
+
+            await secure_kafka.revoke(who, [group_read])
+            # A heartbeat (every 3 s) is refused; then a restart meets the missing ACL.
+            deadline = time.monotonic() + 30
+            while "GroupAuthorizationFailed" not in log.read_text(errors="replace"):
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                assert service.poll() is None, log.read_text()[-3000:]
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(8)
+            assert service.poll() is None, log.read_text()[-3000:]
+            await secure_kafka.grant(who, [group_read])
+            await publish_as_admin(secure_kafka, topics["input"], [event()])
+            outputs = await read_as_admin(secure_kafka, topics["output"], 2, timeout_s=60)
+            assert len(outputs) == 2, log.read_text()[-3000:]
+            await until_ready_is(port, 200, "assigned", service, log)
+        finally:
+            service.terminate()
+            code = await finished(service, 40)
+        assert code == 0, log.read_text()[-3000:]
+        # The workload did what the test is about: the heartbeat's refusal ended the
+        # client, and its restart met the missing ACL (and waited it out).
+        ended = log_events(log, "kafka_client_ended")
+        assert [e["task"] for e in ended][:1] == ["heartbeat"], ended
+        retried = log_events(log, "startup_retrying")
+        assert any("KafkaAccessDenied" in e["error"] for e in retried), retried
+    finally:
+        await secure_kafka.revoke(who, acls)
+
+
 def log_events(log: Path, event: str) -> list[dict[str, Any]]:
     """The JSON log lines of ``event`` (aiokafka's plain lines are skipped)."""
     found = []

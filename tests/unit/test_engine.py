@@ -1042,14 +1042,17 @@ async def test_a_failing_fetch_keeps_the_loop_turning_and_says_why(broker: FakeB
     await h.stop()
 
 
-@pytest.mark.parametrize("task", ["group coordination", "fetching"])
+@pytest.mark.parametrize(
+    "task", ["_coordination_task", "_heartbeat_task", "_commit_refresh_task", "fetching"]
+)
 async def test_an_ended_client_task_commits_the_work_in_hand_and_ends_run(
     broker: FakeBroker, task: str
 ) -> None:
-    # aiokafka never restarts its coordination or fetch task. Once the first has ended
-    # every getmany() raises: the loop retried that for good, up and never fetching again
-    # (tests/integration/test_foreign_group_member.py). Once the second has, getmany()
-    # returns nothing, for good, and nothing looked wrong.
+    # aiokafka starts none of its consumer tasks again on its own. Once a group task has
+    # ended every getmany() raises: the loop retried that for good, up and never fetching
+    # again (tests/integration/test_foreign_group_member.py: coordination;
+    # test_kafka_security.py, the group ACL revoked for a moment: heartbeat). Once the
+    # fetch task has, getmany() returns nothing, for good, and nothing looked wrong.
     h = Harness(broker, stop_wait_s=5.0)
     gate = h.processor.gates[b"v1"] = asyncio.Event()
     for i in range(3):
@@ -1061,7 +1064,7 @@ async def test_an_ended_client_task_commits_the_work_in_hand_and_ends_run(
             KafkaError("Unexpected error during data retrieval")
         )
     else:
-        h.consumer._coordinator.end_coordination(KafkaError("Unexpected error during coordination"))
+        h.consumer._coordinator.end_task(task, KafkaError("Unexpected error during coordination"))
     await until(lambda: h.service.fetch_error is not None)
     assert not h.task.done()  # type: ignore[union-attr]
     gate.set()  # the record in hand is finished and committed before run() ends

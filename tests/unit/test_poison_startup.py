@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import ssl
 
@@ -11,9 +12,10 @@ from aiokafka import errors as kafka_errors
 from kubernetes_asyncio.config import ConfigException
 from prometheus_client import CollectorRegistry
 
-from service.app.config import ConfigError
+from service.app.config import Config, ConfigError
 from service.app.http import HealthChecks, HttpServer
-from service.app.runtime import _transient_startup_error
+from service.app.kafka_access import Acl, KafkaAccessDenied
+from service.app.runtime import _start_with_retry, _transient_startup_error
 from service.crs.ports import ForbiddenError, InvalidError, UnavailableError
 
 
@@ -88,3 +90,46 @@ def alive() -> tuple[bool, str]:
 
 async def ready() -> tuple[bool, str]:
     return True, "ok"
+
+
+class _Attempt:
+    """A Runtime as _start_with_retry drives it: each attempt's start() fails with the
+    next of ``errors`` until they run out."""
+
+    def __init__(self, errors: list[BaseException], config: Config) -> None:
+        self.errors, self.config = errors, config
+
+    async def start(self) -> None:
+        if self.errors:
+            raise self.errors.pop(0)
+
+    async def stop(self, *, keep_front: bool = False) -> None:
+        pass
+
+    def handover(self, error: str) -> _Attempt:
+        return _Attempt(self.errors, self.config)
+
+
+@pytest.mark.parametrize("restarting", [False, True])
+async def test_what_the_broker_refuses_is_waited_out_once_the_service_has_run(
+    restarting: bool,
+) -> None:
+    # At the first start a missing ACL is configuration (exit, named); on a restart after
+    # the Kafka client ended (service.app.runtime.run_service), the same configuration
+    # ran before: the broker's side changed, and an operator restores it.
+    config = Config.load(env={"CRS_RETRY_BACKOFF_S": "0.01", "CRS_RETRY_BACKOFF_MAX_S": "0.01"})
+    errors: list[BaseException] = [
+        KafkaAccessDenied([(Acl("Group", "g", "literal", "Read"), "GROUP_AUTHORIZATION_FAILED")]),
+        kafka_errors.GroupAuthorizationFailedError(),
+    ]
+    started = await _start_with_retry(
+        _Attempt(errors, config),  # type: ignore[arg-type]
+        asyncio.Event(),
+        restarting=restarting,
+    )
+    if restarting:
+        assert started is not None
+        assert not errors
+    else:
+        assert started is None
+        assert len(errors) == 1
