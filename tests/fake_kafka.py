@@ -232,6 +232,14 @@ class _Fetcher:
         self.error_future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
 
+class _Client:
+    def __init__(self) -> None:
+        self.closed = False  # its connections and metadata task
+
+    async def close(self) -> None:
+        self.closed = True
+
+
 class FakeConsumer:
     def __init__(self, broker: FakeBroker, **kwargs: Any) -> None:
         self.broker = broker
@@ -244,6 +252,7 @@ class FakeConsumer:
         self.stopped = False
         self._coordinator = _Coordinator(self)
         self._fetcher = _Fetcher()
+        self._client = _Client()
         self.commits: list[dict[TopicPartition, OffsetAndMetadata]] = []
         self.asked: list[set[TopicPartition]] = []  # the partitions each getmany asked for
         self.asked_at: list[float] = []  # when (time.monotonic)
@@ -256,6 +265,12 @@ class FakeConsumer:
 
     async def stop(self) -> None:
         self.stopped = True
+        # As aiokafka's: the fetcher's close re-raises the error its task ended with,
+        # before the client's connections are closed.
+        ended = self._fetcher.error_future
+        if ended.done() and (error := ended.exception()) is not None:
+            raise error
+        await self._client.close()
 
     def subscribe(self, topics: list[str], listener: Any) -> None:
         self.listener = listener

@@ -170,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_logging(config.log_level, config.log_format)
         from service.app.runtime import run_service
 
-        return asyncio.run(run_service(config))
+        return asyncio.run(run_service(config, reload=lambda: config_from_args(args)))
     # check speaks in one line per dependency; client libraries' own logs would only
     # repeat the failure it reports.
     configure_logging("CRITICAL", config.log_format)

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import gc
+import random
 import signal
 import ssl
 import time
@@ -218,13 +219,14 @@ class Runtime:
         if self.stream is not None:
             self.stream.request_stop()
 
-    def handover(self, error: str) -> Runtime:
+    def handover(self, error: str, config: Config | None = None) -> Runtime:
         """The next start-up attempt after this one failed with ``error`` (and was
-        stopped with ``keep_front``): it takes over the HTTP server and the watchdog."""
+        stopped with ``keep_front``): it takes over the HTTP server and the watchdog
+        (``config``: the configuration read again, else this one's)."""
         front = None
         if self.http is not None and self._watchdog_task is not None:
             front = (self.http, self.watchdog, self._watchdog_task)
-        successor = Runtime(self.config, front=front)
+        successor = Runtime(config or self.config, front=front)
         successor.start_error = error
         return successor
 
@@ -390,17 +392,20 @@ async def _close(part: str, close: Callable[[], Awaitable[object]]) -> None:
         raise
 
 
-async def run_service(config: Config) -> int:
-    """Run until SIGTERM/SIGINT; returns the process exit code."""
+async def run_service(config: Config, reload: Callable[[], Config] | None = None) -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit code. ``reload`` reads the
+    configuration again (its secret files may have been rotated) for each attempt after
+    a failed start or an ended Kafka client."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     runtime = Runtime(config)
     restarts = 0
+    jitter = random.Random()
     while True:
         # Transient Kafka/Kubernetes errors are retried; a configuration error exits.
-        running = await _start_with_retry(runtime, stop, restarting=restarts > 0)
+        running = await _start_with_retry(runtime, stop, reload, restarting=restarts > 0)
         if running is None:
             return 0 if stop.is_set() else 1
         began = time.monotonic()
@@ -414,8 +419,11 @@ async def run_service(config: Config) -> int:
         quick = time.monotonic() - began < 2 * config.retry_backoff_max_s
         restarts = restarts + 1 if quick else 1
         delay = backoff.exponential(restarts, config.retry_backoff_s, config.retry_backoff_max_s)
+        # Jittered: a cause on the broker's side (an ACL) ends every replica's client at
+        # once, and their restarts would rebalance the group in lockstep.
+        delay = backoff.equal_jitter(delay, jitter)
         log.warning("kafka_client_restarting", error=outcome, restarts=restarts, retry_in_s=delay)
-        runtime = running.handover(f"the Kafka client ended: {outcome}")
+        runtime = running.handover(f"the Kafka client ended: {outcome}", _reloaded(reload))
         with contextlib.suppress(TimeoutError):  # a stop ends the wait (and the start)
             await asyncio.wait_for(stop.wait(), delay)
 
@@ -469,6 +477,14 @@ async def _run(runtime: Runtime, stop: asyncio.Event) -> int | str:
     return code
 
 
+# The broker refuses an ACL: configuration at the first start, a change on the broker's
+# side once the service has run (see _start_with_retry).
+_KAFKA_AUTHZ_ERRORS: tuple[type[BaseException], ...] = (
+    kafka_errors.TopicAuthorizationFailedError,
+    kafka_errors.GroupAuthorizationFailedError,
+    kafka_errors.ClusterAuthorizationFailedError,
+    kafka_errors.TransactionalIdAuthorizationFailed,
+)
 # Kafka errors that no retry fixes: credentials, ACLs, client settings (configuration).
 _KAFKA_CONFIG_ERRORS: tuple[type[BaseException], ...] = (
     kafka_errors.AuthenticationFailedError,
@@ -479,10 +495,7 @@ _KAFKA_CONFIG_ERRORS: tuple[type[BaseException], ...] = (
     kafka_errors.IllegalArgumentError,
     kafka_errors.IncompatibleBrokerVersion,
     kafka_errors.UnsupportedCodecError,
-    kafka_errors.TopicAuthorizationFailedError,
-    kafka_errors.GroupAuthorizationFailedError,
-    kafka_errors.ClusterAuthorizationFailedError,
-    kafka_errors.TransactionalIdAuthorizationFailed,
+    *_KAFKA_AUTHZ_ERRORS,
 )
 
 
@@ -507,16 +520,33 @@ def _transient_startup_error(exc: BaseException) -> bool:
     return isinstance(exc, OSError | TimeoutError | aiohttp.ClientError)
 
 
+def _reloaded(reload: Callable[[], Config] | None) -> Config | None:
+    """The configuration read again, or None (keep the last one) when that fails: a
+    secret file being replaced may be missing for a moment; the next attempt reads it."""
+    if reload is None:
+        return None
+    try:
+        return reload()
+    except Exception as exc:
+        log.warning("config_reload_failed", error=clip(f"{type(exc).__name__}: {exc}"))
+        return None
+
+
 async def _start_with_retry(
-    runtime: Runtime, stop: asyncio.Event, *, restarting: bool = False
+    runtime: Runtime,
+    stop: asyncio.Event,
+    reload: Callable[[], Config] | None = None,
+    *,
+    restarting: bool = False,
 ) -> Runtime | None:
     """Start ``runtime``, retrying transient failures with capped exponential back-off.
 
     Returns the started runtime, or None after a configuration error (logged) or when a
     stop signal arrives while waiting. Each attempt starts from a fresh Runtime: a failed
     start is torn down completely first (its HTTP port, clients and producer released).
-    ``restarting``: the service already ran with this configuration, so what the broker
-    refuses now (an ACL, the credentials) changed on its side and is waited out.
+    ``reload``: read the configuration again for each further attempt. ``restarting``:
+    the service already ran with this configuration, so an authorization the broker
+    refuses now (an ACL) changed on its side and is waited out.
     """
     config = runtime.config
     attempt = 0
@@ -545,7 +575,7 @@ async def _start_with_retry(
         except Exception as exc:
             error = clip(f"{type(exc).__name__}: {exc}")
             transient = _transient_startup_error(exc) or (
-                restarting and isinstance(exc, (*_KAFKA_CONFIG_ERRORS, KafkaAccessDenied))
+                restarting and isinstance(exc, (*_KAFKA_AUTHZ_ERRORS, KafkaAccessDenied))
             )
             # A retry keeps the HTTP server up: the kubelet restarts a pod whose liveness
             # probe goes unanswered, and /readyz says why it is not ready.
@@ -555,7 +585,7 @@ async def _start_with_retry(
             if not transient:
                 log.error("startup_failed", error=error, hint="configuration error; not retried")
                 return None
-        runtime = runtime.handover(error)
+        runtime = runtime.handover(error, _reloaded(reload))
         delay = backoff.exponential(attempt, config.retry_backoff_s, config.retry_backoff_max_s)
         log.warning("startup_retrying", error=error, attempt=attempt, retry_in_s=delay)
         with contextlib.suppress(TimeoutError):

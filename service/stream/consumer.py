@@ -417,9 +417,17 @@ class StreamService:
             with contextlib.suppress(Exception):  # their producers (the commit cut short)
                 await asyncio.wait_for(asyncio.gather(*left), 5.0)
             if self._consumer is not None:
-                with contextlib.suppress(Exception):
-                    # LeaveGroup: partitions move at once
+                try:  # LeaveGroup: partitions move at once
                     await asyncio.wait_for(self._consumer.stop(), 5.0)
+                except Exception:
+                    # aiokafka's stop() re-raises the error of a task that ended with one
+                    # (the fetch task: see _background_ended) before it closes its
+                    # connections and metadata task; after a restart of the clients they
+                    # would stay open, one set per restart.
+                    client = getattr(self._consumer, "_client", None)
+                    if client is not None:
+                        with contextlib.suppress(Exception):
+                            await asyncio.wait_for(client.close(), 5.0)
             if self._closing:
                 # Producers of revoked partitions still closing (see _drop), including any
                 # a rebalance under way revoked during LeaveGroup.
@@ -499,7 +507,7 @@ class StreamService:
                 # error: each partition goes back to where its records stopped.
                 failures += 1
                 self._rewind(consumer)
-                if (ended := self._client_ended(consumer)) is not None:
+                if (ended := self._client_ended(consumer, fetch_raised=True)) is not None:
                     break
                 delay = (
                     self._s.retry_backoff_max_s
@@ -516,7 +524,7 @@ class StreamService:
                 self.fetch_error = None
             if batch:
                 next_fetch = self._clock() + linger
-            elif (ended := self._client_ended(consumer)) is not None:
+            elif (ended := self._client_ended(consumer, fetch_raised=False)) is not None:
                 break
             for tp, records in batch.items():
                 part = self._parts.get(tp)
@@ -532,10 +540,10 @@ class StreamService:
         if ended is not None:
             raise KafkaClientEnded(self.fetch_error) from ended
 
-    def _client_ended(self, consumer: Any) -> BaseException | None:
+    def _client_ended(self, consumer: Any, *, fetch_raised: bool) -> BaseException | None:
         """The error that ended one of the consumer's background tasks for good (see
         _background_ended), said once; else None."""
-        found = _background_ended(consumer)
+        found = _background_ended(consumer, fetch_raised=fetch_raised)
         if found is None:
             return None
         task, error = found
@@ -1453,31 +1461,36 @@ def _producer_identity(producer: Any) -> tuple[int, int] | None:
     return int(txn.producer_id), int(txn.producer_epoch)
 
 
-def _background_ended(consumer: Any) -> tuple[str, BaseException] | None:
-    """(which, error) once one of aiokafka's consumer tasks has ended with an error.
+def _background_ended(consumer: Any, *, fetch_raised: bool) -> tuple[str, BaseException] | None:
+    """(which, error) once one of aiokafka's consumer tasks has ended with an error for
+    good (``fetch_raised``: the last getmany() raised).
 
-    aiokafka runs the whole group protocol (join, sync, every rejoin) in one background
-    task, heartbeats and the committed offsets' refresh in two more and the fetching in a
-    fourth, and starts none of them again on its own. An error they do not expect ends
-    them. Measured for the group's: assignment bytes it cannot
-    decode, which any client that joins the group by its id and leads a rebalance can
-    hand out; every getmany() then raises that error, and the member drops out of the
-    group when its session expires and never joins again. The fetch task's end raises
-    nothing: getmany() returns no record, for good, while all looks well. Either way
-    retrying cannot help, a new consumer does.
+    aiokafka runs the group protocol (join, sync, every rejoin) in one background task,
+    heartbeats and the committed offsets' refresh in two more and the fetching in a
+    fourth. The first and the last are never started again; an error they do not expect
+    ends them. Measured for the first: assignment bytes it cannot decode, which any
+    client that joins the group by its id and leads a rebalance can hand out; every
+    getmany() then raises that error, and the member drops out of the group when its
+    session expires and never joins again. The fetch task's end raises nothing:
+    getmany() returns no record, for good, while all looks well. Either way retrying
+    cannot help, a new consumer does.
     """
     coordinator = getattr(consumer, "_coordinator", None)
-    tasks = (
+    tasks = [
         ("group coordination", coordinator, "_coordination_task"),
-        # Both started again only by a rejoin, which nothing asks for once they have
-        # ended (the coordination routine hands their error to every getmany() instead).
-        # Measured: the heartbeat's first GROUP_AUTHORIZATION_FAILED (the group ACL
-        # revoked for a moment) ended it, and the member never rejoined once the ACL
-        # was back.
-        ("heartbeat", coordinator, "_heartbeat_task"),
-        ("committed offsets refresh", coordinator, "_commit_refresh_task"),
         ("fetching", getattr(consumer, "_fetcher", None), "error_future"),
-    )
+    ]
+    if fetch_raised:
+        # These two are started again by a rejoin, which nothing asks for once they have
+        # ended outside one: the coordination routine hands their error to every
+        # getmany() instead, and that is the sign (a heartbeat that ends during a
+        # rebalance is dropped silently by the rejoin). Measured: the heartbeat's first
+        # GROUP_AUTHORIZATION_FAILED (the group ACL revoked for a moment) ended it, and
+        # the member never rejoined once the ACL was back.
+        tasks += [
+            ("heartbeat", coordinator, "_heartbeat_task"),
+            ("committed offsets refresh", coordinator, "_commit_refresh_task"),
+        ]
     for which, owner, name in tasks:
         task = getattr(owner, name, None)
         if task is not None and task.done() and not task.cancelled():

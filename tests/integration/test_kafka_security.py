@@ -435,6 +435,54 @@ async def test_the_group_acl_revoked_under_a_running_replica_and_restored_is_rec
         await secure_kafka.revoke(who, acls)
 
 
+async def test_a_password_file_rotated_while_the_broker_refuses_the_old_one_is_read_again(
+    secure_kafka: SecureKafka,
+    devstack: DevStack,
+    clean_k8s: Any,
+    topics: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """A SASL password the broker refuses surfaces from aiokafka as a connection error
+    and is retried; each attempt reads the configuration again, so the password file a
+    Secret rotation rewrites is picked up without a restart of the process."""
+    port = e2e.free_port()
+    password_file = tmp_path / "password"
+    password_file.write_text("not-the-password\n")
+    env = {
+        **service_env(secure_kafka, "sasl", topics, devstack),
+        "KAFKA_SASL_PASSWORD_FILE": str(password_file),
+        "CRS_HTTP_PORT": str(port),
+        "CRS_RETRY_BACKOFF_MAX_S": "1",
+    }
+    acls = required_acls(Config.load(env=env))
+    who = principal(secure_kafka, "sasl")
+    await secure_kafka.grant(who, acls)
+    log = tmp_path / "service.log"
+    try:
+        await e2e.seed_region(clean_k8s)
+        service = crs("run", env, log)
+        try:
+            deadline = time.monotonic() + 30
+            while len(log_events(log, "startup_retrying")) < 2:
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                assert service.poll() is None, log.read_text()[-3000:]
+                await asyncio.sleep(0.2)
+            assert not log_events(log, "service_started")
+            real = Path(secure_kafka.env["CRS_SECURE_KAFKA_SASL_PASSWORD_FILE"])
+            password_file.write_text(real.read_text())
+            await until_ready_is(port, 200, "assigned", service, log)
+            event = e2e.good_record(*e2e.outcome(None, ["hv-3"], project="p3"))
+            await publish_as_admin(secure_kafka, topics["input"], [event])
+            assert len(await read_as_admin(secure_kafka, topics["output"], 1)) == 1
+        finally:
+            service.terminate()
+            code = await finished(service, 40)
+        assert code == 0, log.read_text()[-3000:]
+        assert "not-the-password" not in log.read_text(), "a secret in the logs"
+    finally:
+        await secure_kafka.revoke(who, acls)
+
+
 def log_events(log: Path, event: str) -> list[dict[str, Any]]:
     """The JSON log lines of ``event`` (aiokafka's plain lines are skipped)."""
     found = []

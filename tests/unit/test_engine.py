@@ -1073,6 +1073,30 @@ async def test_an_ended_client_task_commits_the_work_in_hand_and_ends_run(
     assert sorted(outputs(broker)) == [b"v0", b"v1", b"v2"]
     assert broker.committed[("g", TP0)].offset == 3
     await h.service.close()
+    # Its connections are closed too (aiokafka's stop() raises before it closes them
+    # when the fetch task ended): one set left open per restart otherwise.
+    assert h.consumer._client.closed
+
+
+async def test_a_heartbeat_ended_during_a_rebalance_is_left_to_aiokafka(
+    broker: FakeBroker,
+) -> None:
+    # aiokafka drops a heartbeat task that ended while it rejoins and starts a new one
+    # after the join: no sign of trouble reaches getmany(), so the client goes on.
+    h = Harness(broker)
+    broker.append(IN, 0, b"k", b"v0")
+    await h.start(TP0)
+    await until(lambda: outputs(broker) == [b"v0"])
+    ended = asyncio.get_running_loop().create_future()
+    ended.set_exception(KafkaError("Heartbeat failed"))
+    h.consumer._coordinator._heartbeat_task = ended
+    await asyncio.sleep(0.1)  # fetches that returned nothing
+    h.consumer._coordinator._heartbeat_task = None  # the rejoin dropped it
+    broker.append(IN, 0, b"k", b"v1")
+    await until(lambda: outputs(broker) == [b"v0", b"v1"])
+    assert not h.task.done()  # type: ignore[union-attr]
+    assert h.service.fetch_error is None
+    await h.stop()
 
 
 async def test_a_record_the_client_cannot_read_is_one_stub_dead_letter(

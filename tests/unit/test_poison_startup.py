@@ -106,8 +106,8 @@ class _Attempt:
     async def stop(self, *, keep_front: bool = False) -> None:
         pass
 
-    def handover(self, error: str) -> _Attempt:
-        return _Attempt(self.errors, self.config)
+    def handover(self, error: str, config: Config | None = None) -> _Attempt:
+        return _Attempt(self.errors, config or self.config)
 
 
 @pytest.mark.parametrize("restarting", [False, True])
@@ -133,3 +133,47 @@ async def test_what_the_broker_refuses_is_waited_out_once_the_service_has_run(
     else:
         assert started is None
         assert len(errors) == 1
+
+
+async def test_a_refused_authentication_still_exits_on_a_restart() -> None:
+    # Credentials are not waited out on a restart: the configuration is (read again and)
+    # wrong, not an ACL the broker's operator restores.
+    config = Config.load(env={"CRS_RETRY_BACKOFF_S": "0.01"})
+    errors: list[BaseException] = [kafka_errors.AuthenticationFailedError()]
+    started = await _start_with_retry(
+        _Attempt(errors, config),  # type: ignore[arg-type]
+        asyncio.Event(),
+        restarting=True,
+    )
+    assert started is None
+
+
+async def test_each_further_attempt_reads_the_configuration_again() -> None:
+    # A secret file rotated while the broker refuses the old one: the next attempt has
+    # the new value (and a read that fails keeps the last configuration).
+    env = {"CRS_RETRY_BACKOFF_S": "0.01", "CRS_RETRY_BACKOFF_MAX_S": "0.01"}
+    reads = iter([ConfigError("KAFKA_SASL_PASSWORD_FILE: no such file"), "new"])
+    seen: list[str] = []
+
+    def reload() -> Config:
+        found = next(reads)
+        if isinstance(found, Exception):
+            raise found
+        return Config.load(env=env | {"CRS_GROUP_ID": found})
+
+    class Recording(_Attempt):
+        async def start(self) -> None:
+            seen.append(self.config.group_id)
+            await super().start()
+
+        def handover(self, error: str, config: Config | None = None) -> _Attempt:
+            return Recording(self.errors, config or self.config)
+
+    errors: list[BaseException] = [kafka_errors.KafkaConnectionError()] * 2
+    started = await _start_with_retry(
+        Recording(errors, Config.load(env=env | {"CRS_GROUP_ID": "old"})),  # type: ignore[arg-type]
+        asyncio.Event(),
+        reload,
+    )
+    assert started is not None
+    assert seen == ["old", "old", "new"]

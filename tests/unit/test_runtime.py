@@ -1,4 +1,5 @@
-"""Runtime.stop: every started part is closed, in order, whatever fails on the way."""
+"""Runtime.stop: every started part is closed, in order, whatever fails on the way; and
+run_service's restart of an ended Kafka client."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ from typing import Any
 
 import pytest
 
+from service.app import runtime as runtime_module
 from service.app.config import Config
 from service.app.runtime import Runtime
 from service.k8s.cache import WatchClusterState
+from service.stream.consumer import KafkaClientEnded
 
 
 class Part:
@@ -108,3 +111,48 @@ async def test_heap_keeper_freezes_the_heap_once_the_cache_has_synced() -> None:
     finally:
         task.cancel()
         gc.unfreeze()
+
+
+class Generation:
+    """A Runtime as run_service drives it: the first generation's consume loop ends with
+    KafkaClientEnded, the next one's runs to its end."""
+
+    def __init__(self, config: Config, log: list[str], n: int = 0) -> None:
+        self.config, self.log, self.n = config, log, n
+
+    async def start(self) -> None:
+        self.log.append(f"start {self.n}")
+
+    async def run(self) -> None:
+        self.log.append(f"run {self.n}")
+        if self.n == 0:
+            raise KafkaClientEnded("KafkaError: Unexpected error during coordination")
+
+    def request_stop(self) -> None:
+        pass
+
+    async def stop(self, *, keep_front: bool = False) -> None:
+        self.log.append(f"stop {self.n}" + (" keeping the front" if keep_front else ""))
+
+    def handover(self, error: str, config: Config | None = None) -> Generation:
+        self.log.append(f"handover {self.n}: {error}")
+        return Generation(self.config, self.log, self.n + 1)
+
+
+async def test_an_ended_kafka_client_is_started_afresh_keeping_the_front(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    log: list[str] = []
+    monkeypatch.setattr(runtime_module, "Runtime", lambda config: Generation(config, log))
+    config = Config.load(env={"CRS_RETRY_BACKOFF_S": "0.01", "CRS_RETRY_BACKOFF_MAX_S": "0.01"})
+    code = await asyncio.wait_for(runtime_module.run_service(config), 5)
+    assert code == 0
+    assert log == [
+        "start 0",
+        "run 0",
+        "stop 0 keeping the front",  # the HTTP server and watchdog go on to generation 1
+        "handover 0: the Kafka client ended: KafkaError: Unexpected error during coordination",
+        "start 1",
+        "run 1",
+        "stop 1",  # its loop ended: the whole runtime stops, the process exits 0
+    ]
