@@ -10,6 +10,7 @@ revokes them again afterwards.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -304,6 +306,64 @@ async def until_ready_is(
     raise AssertionError(f"/readyz never {status} with {cause!r}: last {seen}")
 
 
+@dataclass
+class Serving:
+    """The service running as the SASL user with exactly its documented ACLs."""
+
+    secure_kafka: SecureKafka
+    topics: dict[str, str]
+    port: int
+    log: Path
+    service: subprocess.Popen[bytes]
+    who: str
+    acls: list[Acl]
+
+    async def one_more_event(self, outputs: int, timeout_s: float = 60) -> None:
+        """Publish an event; wait until the output topic holds ``outputs`` records."""
+        event = e2e.good_record(*e2e.outcome(None, ["hv-3"], project="p3"))
+        await publish_as_admin(self.secure_kafka, self.topics["input"], [event])
+        found = await read_as_admin(self.secure_kafka, self.topics["output"], outputs, timeout_s)
+        assert len(found) == outputs, self.log.read_text()[-3000:]
+
+    async def ready_is(self, status: int, cause: str) -> None:
+        await until_ready_is(self.port, status, cause, self.service, self.log)
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    secure_kafka: SecureKafka,
+    devstack: DevStack,
+    clean_k8s: Any,
+    topics: dict[str, str],
+    tmp_path: Path,
+) -> AsyncIterator[Serving]:
+    """One event through and ready; afterwards stopped (exit code 0 asserted) and the
+    ACLs revoked again."""
+    env = {
+        **service_env(secure_kafka, "sasl", topics, devstack),
+        "CRS_HTTP_PORT": str(e2e.free_port()),
+        "CRS_RETRY_BACKOFF_MAX_S": "1",
+    }
+    acls = required_acls(Config.load(env=env))
+    who = principal(secure_kafka, "sasl")
+    await secure_kafka.grant(who, acls)
+    log = tmp_path / "service.log"
+    try:
+        await e2e.seed_region(clean_k8s)
+        service = crs("run", env, log)
+        try:
+            s = Serving(secure_kafka, topics, int(env["CRS_HTTP_PORT"]), log, service, who, acls)
+            await s.one_more_event(1)
+            await s.ready_is(200, "assigned")
+            yield s
+        finally:
+            service.terminate()
+            code = await finished(service, 40)
+        assert code == 0, log.read_text()[-3000:]
+    finally:
+        await secure_kafka.revoke(who, acls)
+
+
 async def test_readiness_follows_revoked_and_restored_acls(
     secure_kafka: SecureKafka,
     devstack: DevStack,
@@ -316,59 +376,32 @@ async def test_readiness_follows_revoked_and_restored_acls(
     flow and 200; the output's Write ACL revoked -> the commit fails, 503 "stalled ...
     commit failing", which the partition's successful take-overs in between do not clear;
     restored -> the held event comes out once and 200."""
-    port = e2e.free_port()
-    env = {
-        **service_env(secure_kafka, "sasl", topics, devstack),
-        "CRS_HTTP_PORT": str(port),
-        "CRS_RETRY_BACKOFF_MAX_S": "1",
-    }
-    acls = required_acls(Config.load(env=env))
-    who = principal(secure_kafka, "sasl")
-    (read_input,) = [a for a in acls if a.name == topics["input"]]
-    (write_output,) = [a for a in acls if a.name == topics["output"]]
-    await secure_kafka.grant(who, acls)
-    log = tmp_path / "service.log"
+    async with serving(secure_kafka, devstack, clean_k8s, topics, tmp_path) as s:
+        (read_input,) = [a for a in s.acls if a.name == topics["input"]]
+        (write_output,) = [a for a in s.acls if a.name == topics["output"]]
+        await secure_kafka.revoke(s.who, [read_input])
+        await s.ready_is(503, "fetching from Kafka fails")
+        await secure_kafka.grant(s.who, [read_input])
+        await s.one_more_event(2)
+        await s.ready_is(200, "assigned")
 
-    def event() -> Any:
-        return e2e.good_record(*e2e.outcome(None, ["hv-3"], project="p3"))
-
-    try:
-        await e2e.seed_region(clean_k8s)
-        service = crs("run", env, log)
-        try:
-            await publish_as_admin(secure_kafka, topics["input"], [event()])
-            assert len(await read_as_admin(secure_kafka, topics["output"], 1)) == 1
-            await until_ready_is(port, 200, "assigned", service, log)
-
-            await secure_kafka.revoke(who, [read_input])
-            await until_ready_is(port, 503, "fetching from Kafka fails", service, log)
-            await secure_kafka.grant(who, [read_input])
-            await publish_as_admin(secure_kafka, topics["input"], [event()])
-            assert len(await read_as_admin(secure_kafka, topics["output"], 2)) == 2
-            await until_ready_is(port, 200, "assigned", service, log)
-
-            await secure_kafka.revoke(who, [write_output])
-            await publish_as_admin(secure_kafka, topics["input"], [event()])
-            await until_ready_is(port, 503, "commit failing", service, log)
-            # Taken over again (the back-off is 1 s) and failing again: still not ready.
-            acquired = log.read_text().count('"event":"partition_acquired"')
-            deadline = time.monotonic() + 30
-            while log.read_text().count('"event":"partition_acquired"') < acquired + 2:
-                assert time.monotonic() < deadline, log.read_text()[-3000:]
-                await asyncio.sleep(0.2)
-            status, body = await e2e.http_get(port, "/readyz")
-            assert (status, "commit failing" in body) == (503, True), body
-            await secure_kafka.grant(who, [write_output])
-            outputs = await read_as_admin(secure_kafka, topics["output"], 3)
-            await until_ready_is(port, 200, "assigned", service, log)
-            assert len(await read_as_admin(secure_kafka, topics["output"], 4, timeout_s=3)) == 3
-            assert len(outputs) == 3
-        finally:
-            service.terminate()
-            code = await finished(service, 40)
-        assert code == 0, log.read_text()[-3000:]
-    finally:
-        await secure_kafka.revoke(who, acls)
+        await secure_kafka.revoke(s.who, [write_output])
+        event = e2e.good_record(*e2e.outcome(None, ["hv-3"], project="p3"))
+        await publish_as_admin(secure_kafka, topics["input"], [event])
+        await s.ready_is(503, "commit failing")
+        # Taken over again (the back-off is 1 s) and failing again: still not ready.
+        acquired = s.log.read_text().count('"event":"partition_acquired"')
+        deadline = time.monotonic() + 30
+        while s.log.read_text().count('"event":"partition_acquired"') < acquired + 2:
+            assert time.monotonic() < deadline, s.log.read_text()[-3000:]
+            await asyncio.sleep(0.2)
+        status, body = await e2e.http_get(s.port, "/readyz")
+        assert (status, "commit failing" in body) == (503, True), body
+        await secure_kafka.grant(s.who, [write_output])
+        outputs = await read_as_admin(secure_kafka, topics["output"], 3)
+        await s.ready_is(200, "assigned")
+        assert len(await read_as_admin(secure_kafka, topics["output"], 4, timeout_s=3)) == 3
+        assert len(outputs) == 3
 
 
 async def test_the_group_acl_revoked_under_a_running_replica_and_restored_is_recovered_from(
@@ -384,55 +417,26 @@ async def test_the_group_acl_revoked_under_a_running_replica_and_restored_is_rec
     once the ACL is back (found by review). Now the ended heartbeat ends the Kafka client,
     which is started afresh, and an authorization error met while restarting is waited
     out, not taken for a configuration error: the service ran with this configuration."""
-    port = e2e.free_port()
-    env = {
-        **service_env(secure_kafka, "sasl", topics, devstack),
-        "CRS_HTTP_PORT": str(port),
-        "CRS_RETRY_BACKOFF_MAX_S": "1",
-    }
-    acls = required_acls(Config.load(env=env))
-    who = principal(secure_kafka, "sasl")
-    (group_read,) = [a for a in acls if a.resource_type == "Group"]
-    await secure_kafka.grant(who, acls)
-    log = tmp_path / "service.log"
-
-    def event() -> Any:
-        return e2e.good_record(*e2e.outcome(None, ["hv-3"], project="p3"))
-
-    try:
-        await e2e.seed_region(clean_k8s)
-        service = crs("run", env, log)
-        try:
-            await publish_as_admin(secure_kafka, topics["input"], [event()])
-            assert len(await read_as_admin(secure_kafka, topics["output"], 1)) == 1
-            await until_ready_is(port, 200, "assigned", service, log)
-
-            await secure_kafka.revoke(who, [group_read])
-            # A heartbeat (every 3 s) is refused; then a restart meets the missing ACL.
-            deadline = time.monotonic() + 30
-            while "GroupAuthorizationFailed" not in log.read_text(errors="replace"):
-                assert time.monotonic() < deadline, log.read_text()[-3000:]
-                assert service.poll() is None, log.read_text()[-3000:]
-                await asyncio.sleep(0.2)
-            await asyncio.sleep(8)
-            assert service.poll() is None, log.read_text()[-3000:]
-            await secure_kafka.grant(who, [group_read])
-            await publish_as_admin(secure_kafka, topics["input"], [event()])
-            outputs = await read_as_admin(secure_kafka, topics["output"], 2, timeout_s=60)
-            assert len(outputs) == 2, log.read_text()[-3000:]
-            await until_ready_is(port, 200, "assigned", service, log)
-        finally:
-            service.terminate()
-            code = await finished(service, 40)
-        assert code == 0, log.read_text()[-3000:]
-        # The workload did what the test is about: the heartbeat's refusal ended the
-        # client, and its restart met the missing ACL (and waited it out).
-        ended = log_events(log, "kafka_client_ended")
-        assert [e["task"] for e in ended][:1] == ["heartbeat"], ended
-        retried = log_events(log, "startup_retrying")
-        assert any("KafkaAccessDenied" in e["error"] for e in retried), retried
-    finally:
-        await secure_kafka.revoke(who, acls)
+    async with serving(secure_kafka, devstack, clean_k8s, topics, tmp_path) as s:
+        (group_read,) = [a for a in s.acls if a.resource_type == "Group"]
+        await secure_kafka.revoke(s.who, [group_read])
+        # A heartbeat (every 3 s) is refused; then a restart meets the missing ACL.
+        deadline = time.monotonic() + 30
+        while "GroupAuthorizationFailed" not in s.log.read_text(errors="replace"):
+            assert time.monotonic() < deadline, s.log.read_text()[-3000:]
+            assert s.service.poll() is None, s.log.read_text()[-3000:]
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(8)
+        assert s.service.poll() is None, s.log.read_text()[-3000:]
+        await secure_kafka.grant(s.who, [group_read])
+        await s.one_more_event(2)
+        await s.ready_is(200, "assigned")
+    # The workload did what the test is about: the heartbeat's refusal ended the client,
+    # and its restart met the missing ACL (and waited it out).
+    ended = log_events(s.log, "kafka_client_ended")
+    assert [e["task"] for e in ended][:1] == ["heartbeat"], ended
+    retried = log_events(s.log, "startup_retrying")
+    assert any("KafkaAccessDenied" in e["error"] for e in retried), retried
 
 
 async def test_a_password_file_rotated_while_the_broker_refuses_the_old_one_is_read_again(
