@@ -235,6 +235,8 @@ class _Fetcher:
 class _Client:
     def __init__(self) -> None:
         self.closed = False  # its connections and metadata task
+        # aiokafka's metadata refresh task (its ``_sync_task``).
+        self._sync_task: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     async def close(self) -> None:
         self.closed = True

@@ -1466,12 +1466,13 @@ def _background_ended(consumer: Any, *, fetch_raised: bool) -> tuple[str, BaseEx
     good (``fetch_raised``: the last getmany() raised).
 
     aiokafka runs the group protocol (join, sync, every rejoin) in one background task,
-    heartbeats and the committed offsets' refresh in two more and the fetching in a
-    fourth. The first and the last are never started again; an error they do not expect
-    ends them. Measured for the first: assignment bytes it cannot decode, which any
-    client that joins the group by its id and leads a rebalance can hand out; every
-    getmany() then raises that error, and the member drops out of the group when its
-    session expires and never joins again. The fetch task's end raises nothing:
+    heartbeats and the committed offsets' refresh in two more, the fetching in a fourth
+    and the client's metadata refresh in a fifth. Only a rejoin starts the second and
+    third again, nothing the others; an error they do not expect ends them. Measured
+    for the first: assignment bytes it cannot decode, which any client that joins the
+    group by its id and leads a rebalance can hand out; every getmany() then raises that
+    error, and the member drops out of the group when its session expires and never
+    joins again. The fetch task's end raises nothing:
     getmany() returns no record, for good, while all looks well. Either way retrying
     cannot help, a new consumer does.
     """
@@ -1479,6 +1480,9 @@ def _background_ended(consumer: Any, *, fetch_raised: bool) -> tuple[str, BaseEx
     tasks = [
         ("group coordination", coordinator, "_coordination_task"),
         ("fetching", getattr(consumer, "_fetcher", None), "error_future"),
+        # The client's metadata refresh: never started again either, and every request
+        # that needs fresh metadata (a partition leader moved) would wait for it.
+        ("metadata refresh", getattr(consumer, "_client", None), "_sync_task"),
     ]
     if fetch_raised:
         # These two are started again by a rejoin, which nothing asks for once they have

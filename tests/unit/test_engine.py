@@ -1043,7 +1043,8 @@ async def test_a_failing_fetch_keeps_the_loop_turning_and_says_why(broker: FakeB
 
 
 @pytest.mark.parametrize(
-    "task", ["_coordination_task", "_heartbeat_task", "_commit_refresh_task", "fetching"]
+    "task",
+    ["_coordination_task", "_heartbeat_task", "_commit_refresh_task", "fetching", "metadata"],
 )
 async def test_an_ended_client_task_commits_the_work_in_hand_and_ends_run(
     broker: FakeBroker, task: str
@@ -1063,6 +1064,9 @@ async def test_an_ended_client_task_commits_the_work_in_hand_and_ends_run(
         h.consumer._fetcher.error_future.set_exception(
             KafkaError("Unexpected error during data retrieval")
         )
+    elif task == "metadata":  # nothing raised: fetches return nothing, for good
+        h.consumer._client._sync_task.set_exception(RuntimeError("Unexpected error during"))
+        broker.data.set()
     else:
         h.consumer._coordinator.end_task(task, KafkaError("Unexpected error during coordination"))
     await until(lambda: h.service.fetch_error is not None)
