@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
@@ -637,6 +638,7 @@ class StreamService:
         part.free += 1  # counts as free until it has started and taken a lane
         task = asyncio.get_running_loop().create_task(self._worker(part))
         part.tasks.add(task)
+        task.add_done_callback(functools.partial(self._part_task_done, part, "worker"))
 
     async def _worker(self, part: _Partition) -> None:
         ran = 0
@@ -1101,6 +1103,11 @@ class StreamService:
         finally:
             slow.cancel()
 
+    async def _acquire_later(self, tp: TopicPartition, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if tp in self._assigned and tp not in self._parts and not self._stopping.is_set():
+            await self._acquire(tp)
+
     def _acquire_slow(self, tp: TopicPartition) -> None:
         if tp in self._parts or tp not in self._assigned:
             return
@@ -1192,6 +1199,7 @@ class StreamService:
         consumer.seek(tp, start if start is not None else 0)
         part = _Partition(tp, producer, Ledger(start, metadata))
         part.committer = asyncio.create_task(self._commit_loop(part))
+        part.committer.add_done_callback(functools.partial(self._part_task_done, part, "committer"))
         self._parts[tp] = part
         if start is not None:
             self._committed[tp] = start
@@ -1331,6 +1339,32 @@ class StreamService:
 
         self._in_background(tp, again(), f"reacquire-{reason}")
 
+    def _part_task_done(self, part: _Partition, which: str, task: asyncio.Task[None]) -> None:
+        """A partition's committer or lane worker ended. Only _drop ends them from outside
+        (after closing the partition), and they end by themselves when it drains or
+        idles; one that ends by an error nobody foresaw (a bug, a MemoryError, a
+        cancellation leaking out of a callee) left its partition stuck while every probe
+        stayed green: no commit any more, or a lane nobody runs, the watermark held and
+        the partition soon backpressured. Take it over again, as after a failed commit:
+        what was decided and not committed is decided again."""
+        if part.closed or (not task.cancelled() and task.exception() is None):
+            return
+        error = asyncio.CancelledError() if task.cancelled() else task.exception()
+        tp = part.tp
+        log.error(
+            "partition_task_crashed",
+            topic=tp.topic,
+            partition=tp.partition,
+            task=which,
+            error=repr(error)[:300],
+        )
+        if self._stopping.is_set():
+            return  # released soon anyway: the next owner starts from the committed offset
+        n = self._failures[tp] = self._failures.get(tp, 0) + 1
+        if n >= 3:
+            self._mark_stalled(tp, f"{which} crashed: {type(error).__name__}")
+        self._reacquire(part, delay=self._backoff(n), reason="crashed")
+
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         """Run ``work`` as a task close() cancels."""
         task = asyncio.create_task(work, name=name)
@@ -1348,13 +1382,21 @@ class StreamService:
         def done(t: asyncio.Task[None]) -> None:
             if self._acquiring.get(tp) is t:
                 del self._acquiring[tp]
-            if not t.cancelled() and (exc := t.exception()) is not None:
-                log.error(
-                    "partition_acquire_crashed",
-                    topic=tp.topic,
-                    partition=tp.partition,
-                    error=repr(exc)[:300],
-                )
+            if t.cancelled() or (exc := t.exception()) is None:
+                return
+            log.error(
+                "partition_acquire_crashed",
+                topic=tp.topic,
+                partition=tp.partition,
+                error=repr(exc)[:300],
+            )
+            # An error the take-over does not retry (a bug, a MemoryError) left the
+            # partition assigned, paused and owned by nobody while every probe stayed
+            # green: say so, and take it over again after a back-off.
+            if tp in self._assigned and tp not in self._parts and not self._stopping.is_set():
+                n = self._failures[tp] = self._failures.get(tp, 0) + 1
+                self._mark_stalled(tp, f"{_TAKE_OVER_FAILED}: {type(exc).__name__}")
+                self._in_background(tp, self._acquire_later(tp, self._backoff(n)), "retake")
 
         task.add_done_callback(done)
         return task

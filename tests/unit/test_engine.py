@@ -1103,6 +1103,82 @@ async def test_a_heartbeat_ended_during_a_rebalance_is_left_to_aiokafka(
     await h.stop()
 
 
+# A partition's own tasks ending by an error nobody foresaw (a bug, a MemoryError, a
+# cancellation leaking out of a callee) left the partition stuck while every probe stayed
+# green (found by an audit of the service's tasks): each is now taken over again.
+
+
+async def test_a_committer_that_crashes_is_taken_over_again(
+    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = Harness(broker)
+    broker.append(IN, 0, b"k0", b"v0")
+    await h.start(TP0)
+    await until(lambda: outputs(broker) == [b"v0"])
+    # In the commit loop itself, outside the commit (whose errors are commit failures).
+    real = consumer_module._TokenBucket.take
+    crashed: list[bool] = []
+
+    def take_once(bucket: Any) -> None:
+        if not crashed:
+            crashed.append(True)
+            raise RuntimeError("a bug")
+        real(bucket)
+
+    monkeypatch.setattr(consumer_module._TokenBucket, "take", take_once)
+    for i in range(1, 21):
+        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    await until(lambda: broker.committed[("g", TP0)].offset == 21)
+    assert crashed
+    assert sorted(outputs(broker)) == sorted(b"v%d" % i for i in range(21))  # each once
+    assert not h.task.done()  # type: ignore[union-attr]
+    await h.stop()
+
+
+async def test_a_lane_worker_that_crashes_does_not_orphan_its_key(broker: FakeBroker) -> None:
+    h = Harness(broker)
+    process = h.processor.process
+    crashed: list[bool] = []
+
+    async def cancelled_once(ref: InputRef, key: Any, value: Any, headers: Any, **kw: Any) -> Any:
+        if value == b"x0" and not crashed:
+            crashed.append(True)
+            raise asyncio.CancelledError  # leaking out of a callee, not a cancel of ours
+        return await process(ref, key, value, headers, **kw)
+
+    h.processor.process = cancelled_once  # type: ignore[method-assign]
+    for v in (b"x0", b"y0", b"x1"):
+        broker.append(IN, 0, v[:1], v)
+    await h.start(TP0)
+    await until(lambda: ("g", TP0) in broker.committed)
+    await until(lambda: broker.committed[("g", TP0)].offset == 3)
+    assert crashed
+    assert sorted(outputs(broker)) == [b"x0", b"x1", b"y0"]  # each once
+    await h.stop()
+
+
+async def test_a_take_over_that_crashes_is_said_and_tried_again(
+    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = consumer_module.Ledger
+    crashed: list[bool] = []
+
+    def ledger_once(*args: Any) -> Any:
+        if not crashed:
+            crashed.append(True)
+            raise RuntimeError("a bug")
+        return real(*args)
+
+    monkeypatch.setattr(consumer_module, "Ledger", ledger_once)
+    h = Harness(broker)
+    broker.append(IN, 0, b"a", b"a0")
+    await h.start(TP0)
+    await until(lambda: outputs(broker) == [b"a0"])
+    assert crashed
+    assert TP0 not in h.service.stalled()  # cleared by the take-over that worked
+    await h.stop()
+
+
 async def test_a_record_the_client_cannot_read_is_one_stub_dead_letter(
     broker: FakeBroker,
 ) -> None:
