@@ -239,6 +239,11 @@ class _Client:
         self._sync_task: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     async def close(self) -> None:
+        # As aiokafka's: awaiting a metadata task that ended re-raises its error before
+        # any connection is closed.
+        sync = self._sync_task
+        if sync is not None and sync.done() and (error := sync.exception()) is not None:
+            raise error
         self.closed = True
 
 

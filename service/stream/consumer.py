@@ -427,6 +427,11 @@ class StreamService:
                     # would stay open, one set per restart.
                     client = getattr(self._consumer, "_client", None)
                     if client is not None:
+                        # Its close() re-raises an ended metadata task's error the same
+                        # way, before closing anything: forget that task first.
+                        sync = getattr(client, "_sync_task", None)
+                        if sync is not None and sync.done():
+                            client._sync_task = None
                         with contextlib.suppress(Exception):
                             await asyncio.wait_for(client.close(), 5.0)
             if self._closing:
@@ -706,7 +711,13 @@ class StreamService:
                 except RetryLater:
                     counts.clear()
                     out = None
-                except Exception as exc:  # the processor is total; this is an engine bug
+                except (Exception, asyncio.CancelledError) as exc:
+                    # The processor is total; this is an engine bug. A CancelledError that
+                    # is not a cancel of this task leaked out of a callee: a bug too, and
+                    # the record's stub, not the worker's end (which re-takes the
+                    # partition, meeting the same record again and again).
+                    if isinstance(exc, asyncio.CancelledError) and _being_cancelled():
+                        raise
                     log.exception(
                         "processing_failed",
                         topic=tp.topic,
@@ -889,7 +900,7 @@ class StreamService:
                 self._unsure[tp] = (plan, sender)
             self._commit_failed(part, exc)
             return False
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             # Cut short (the shutdown budget, a drop): aiokafka shields the EndTxn, so
             # the transaction may commit all the same. With its outcome unknown nothing of
             # this part may be committed again; whoever takes the partition over next
@@ -898,6 +909,12 @@ class StreamService:
             sender = _producer_identity(part.producer)
             if sender is not None:
                 self._unsure[tp] = (plan, sender)
+            if not _being_cancelled():
+                # Not a cancel of this task but a CancelledError leaking out of the
+                # client (a bug): a failed commit, taken over again like any other (only
+                # closing the part left it stuck, nothing logged or retried).
+                self._commit_failed(part, exc)
+                return False
             part.closed = True
             raise
         part.ledger.committed(plan)
@@ -1163,6 +1180,21 @@ class StreamService:
                 await asyncio.sleep(delay)
                 if tp not in self._assigned:
                     return
+        try:
+            await self._install(tp, producer, committed)
+        except BaseException:
+            # An error nobody foresaw (see _in_background), or a cancel: the producer
+            # is closed unless a partition took it (one leaked per retry otherwise).
+            part = self._parts.get(tp)
+            if producer is not None and (part is None or part.producer is not producer):
+                await asyncio.shield(_close_quietly(producer))
+            raise
+
+    async def _install(
+        self, tp: TopicPartition, producer: Any, committed: dict[TopicPartition, Any]
+    ) -> None:
+        """Start ``tp`` from its committed offset with ``producer`` (see _take_over)."""
+        consumer = self._consumer
         found = committed.get(tp)
         start: int | None = None
         metadata = ""
@@ -1393,7 +1425,8 @@ class StreamService:
             # An error the take-over does not retry (a bug, a MemoryError) left the
             # partition assigned, paused and owned by nobody while every probe stayed
             # green: say so, and take it over again after a back-off.
-            if tp in self._assigned and tp not in self._parts and not self._stopping.is_set():
+            taken = tp in self._parts or tp in self._acquiring  # by another take-over
+            if tp in self._assigned and not taken and not self._stopping.is_set():
                 n = self._failures[tp] = self._failures.get(tp, 0) + 1
                 self._mark_stalled(tp, f"{_TAKE_OVER_FAILED}: {type(exc).__name__}")
                 self._in_background(tp, self._acquire_later(tp, self._backoff(n)), "retake")
@@ -1501,6 +1534,13 @@ def _producer_identity(producer: Any) -> tuple[int, int] | None:
     if txn is None or txn.producer_id is None or txn.producer_id < 0:
         return None
     return int(txn.producer_id), int(txn.producer_epoch)
+
+
+def _being_cancelled() -> bool:
+    """Whether the current task has been asked to cancel (else a CancelledError it sees
+    was raised by a callee of its own accord)."""
+    current = asyncio.current_task()
+    return current is None or current.cancelling() > 0
 
 
 def _background_ended(consumer: Any, *, fetch_raised: bool) -> tuple[str, BaseException] | None:

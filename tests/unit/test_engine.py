@@ -1135,18 +1135,20 @@ async def test_a_committer_that_crashes_is_taken_over_again(
     await h.stop()
 
 
-async def test_a_lane_worker_that_crashes_does_not_orphan_its_key(broker: FakeBroker) -> None:
-    h = Harness(broker)
-    process = h.processor.process
+async def test_a_lane_worker_that_crashes_does_not_orphan_its_key(
+    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = consumer_module.Ledger.complete
     crashed: list[bool] = []
 
-    async def cancelled_once(ref: InputRef, key: Any, value: Any, headers: Any, **kw: Any) -> Any:
-        if value == b"x0" and not crashed:
+    def complete_once(ledger: Any, offset: int, done: Any) -> None:
+        if offset == 0 and not crashed:
             crashed.append(True)
-            raise asyncio.CancelledError  # leaking out of a callee, not a cancel of ours
-        return await process(ref, key, value, headers, **kw)
+            raise RuntimeError("a bug")
+        real(ledger, offset, done)
 
-    h.processor.process = cancelled_once  # type: ignore[method-assign]
+    monkeypatch.setattr(consumer_module.Ledger, "complete", complete_once)
+    h = Harness(broker)
     for v in (b"x0", b"y0", b"x1"):
         broker.append(IN, 0, v[:1], v)
     await h.start(TP0)
@@ -1154,6 +1156,59 @@ async def test_a_lane_worker_that_crashes_does_not_orphan_its_key(broker: FakeBr
     await until(lambda: broker.committed[("g", TP0)].offset == 3)
     assert crashed
     assert sorted(outputs(broker)) == [b"x0", b"x1", b"y0"]  # each once
+    await h.stop()
+
+
+async def test_a_cancelled_error_leaking_out_of_processing_is_the_records_stub(
+    broker: FakeBroker,
+) -> None:
+    # Not a cancel of the worker: a bug in a callee. As any processing error, the record
+    # becomes an internal_error stub; ending the worker instead re-took the partition and
+    # met the same record again, for good, and held the other keys' commits.
+    h = Harness(broker)
+    process = h.processor.process
+
+    async def leaking(ref: InputRef, key: Any, value: Any, headers: Any, **kw: Any) -> Any:
+        if value == b"x0":
+            raise asyncio.CancelledError
+        return await process(ref, key, value, headers, **kw)
+
+    h.processor.process = leaking  # type: ignore[method-assign]
+    for v in (b"x0", b"y0", b"y1"):
+        broker.append(IN, 0, v[:1], v)
+    await h.start(TP0)
+    await until(lambda: ("g", TP0) in broker.committed)
+    await until(lambda: broker.committed[("g", TP0)].offset == 3)
+    (stub,) = [r for r in broker.outputs if r.topic == "dlq"]
+    assert dict(stub.headers)["crs.error"] == b"internal_error"
+    assert [r.value for r in broker.outputs if r.topic == "out"] == [b"y0", b"y1"]
+    await h.stop()
+
+
+async def test_a_cancelled_error_leaking_out_of_a_commit_is_a_failed_commit(
+    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, the commit's part was closed as if cancelled: left in place, nothing
+    # committed, logged or retried.
+    real = FakeProducer.send_offsets_to_transaction
+    leaked: list[bool] = []
+
+    async def leaking_once(producer: Any, offsets: Any, group_id: str) -> None:
+        if not leaked:
+            leaked.append(True)
+            raise asyncio.CancelledError
+        await real(producer, offsets, group_id)
+
+    monkeypatch.setattr(FakeProducer, "send_offsets_to_transaction", leaking_once)
+    h = Harness(broker)
+    broker.append(IN, 0, b"k0", b"v0")
+    await h.start(TP0)
+    for i in range(1, 6):
+        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    await until(lambda: ("g", TP0) in broker.committed)
+    await until(lambda: broker.committed[("g", TP0)].offset == 6)
+    assert leaked
+    assert sorted(outputs(broker)) == sorted(b"v%d" % i for i in range(6))  # each once
     await h.stop()
 
 
@@ -1176,6 +1231,9 @@ async def test_a_take_over_that_crashes_is_said_and_tried_again(
     await until(lambda: outputs(broker) == [b"a0"])
     assert crashed
     assert TP0 not in h.service.stalled()  # cleared by the take-over that worked
+    # The crashed take-over's producer was closed, not left open (one per retry).
+    owner = h.service._parts[TP0].producer
+    assert all(p.stopped for p in h.producers if p is not owner)
     await h.stop()
 
 
