@@ -330,19 +330,21 @@ class Serving:
 
 
 @contextlib.asynccontextmanager
-async def serving(
+async def started(
     secure_kafka: SecureKafka,
     devstack: DevStack,
     clean_k8s: Any,
     topics: dict[str, str],
     tmp_path: Path,
+    **settings: str,
 ) -> AsyncIterator[Serving]:
-    """One event through and ready; afterwards stopped (exit code 0 asserted) and the
-    ACLs revoked again."""
+    """The service started (``settings`` over the SASL user's); afterwards stopped (exit
+    code 0 asserted) and the ACLs revoked again."""
     env = {
         **service_env(secure_kafka, "sasl", topics, devstack),
         "CRS_HTTP_PORT": str(e2e.free_port()),
         "CRS_RETRY_BACKOFF_MAX_S": "1",
+        **settings,
     }
     acls = required_acls(Config.load(env=env))
     who = principal(secure_kafka, "sasl")
@@ -352,16 +354,28 @@ async def serving(
         await e2e.seed_region(clean_k8s)
         service = crs("run", env, log)
         try:
-            s = Serving(secure_kafka, topics, int(env["CRS_HTTP_PORT"]), log, service, who, acls)
-            await s.one_more_event(1)
-            await s.ready_is(200, "assigned")
-            yield s
+            yield Serving(secure_kafka, topics, int(env["CRS_HTTP_PORT"]), log, service, who, acls)
         finally:
             service.terminate()
             code = await finished(service, 40)
         assert code == 0, log.read_text()[-3000:]
     finally:
         await secure_kafka.revoke(who, acls)
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    secure_kafka: SecureKafka,
+    devstack: DevStack,
+    clean_k8s: Any,
+    topics: dict[str, str],
+    tmp_path: Path,
+) -> AsyncIterator[Serving]:
+    """Started, one event through and ready (see started)."""
+    async with started(secure_kafka, devstack, clean_k8s, topics, tmp_path) as s:
+        await s.one_more_event(1)
+        await s.ready_is(200, "assigned")
+        yield s
 
 
 async def test_readiness_follows_revoked_and_restored_acls(
@@ -449,42 +463,21 @@ async def test_a_password_file_rotated_while_the_broker_refuses_the_old_one_is_r
     """A SASL password the broker refuses surfaces from aiokafka as a connection error
     and is retried; each attempt reads the configuration again, so the password file a
     Secret rotation rewrites is picked up without a restart of the process."""
-    port = e2e.free_port()
     password_file = tmp_path / "password"
     password_file.write_text("not-the-password\n")
-    env = {
-        **service_env(secure_kafka, "sasl", topics, devstack),
-        "KAFKA_SASL_PASSWORD_FILE": str(password_file),
-        "CRS_HTTP_PORT": str(port),
-        "CRS_RETRY_BACKOFF_MAX_S": "1",
-    }
-    acls = required_acls(Config.load(env=env))
-    who = principal(secure_kafka, "sasl")
-    await secure_kafka.grant(who, acls)
-    log = tmp_path / "service.log"
-    try:
-        await e2e.seed_region(clean_k8s)
-        service = crs("run", env, log)
-        try:
-            deadline = time.monotonic() + 30
-            while len(log_events(log, "startup_retrying")) < 2:
-                assert time.monotonic() < deadline, log.read_text()[-3000:]
-                assert service.poll() is None, log.read_text()[-3000:]
-                await asyncio.sleep(0.2)
-            assert not log_events(log, "service_started")
-            real = Path(secure_kafka.env["CRS_SECURE_KAFKA_SASL_PASSWORD_FILE"])
-            password_file.write_text(real.read_text())
-            await until_ready_is(port, 200, "assigned", service, log)
-            event = e2e.good_record(*e2e.outcome(None, ["hv-3"], project="p3"))
-            await publish_as_admin(secure_kafka, topics["input"], [event])
-            assert len(await read_as_admin(secure_kafka, topics["output"], 1)) == 1
-        finally:
-            service.terminate()
-            code = await finished(service, 40)
-        assert code == 0, log.read_text()[-3000:]
-        assert "not-the-password" not in log.read_text(), "a secret in the logs"
-    finally:
-        await secure_kafka.revoke(who, acls)
+    settings = {"KAFKA_SASL_PASSWORD_FILE": str(password_file)}
+    async with started(secure_kafka, devstack, clean_k8s, topics, tmp_path, **settings) as s:
+        deadline = time.monotonic() + 30
+        while len(log_events(s.log, "startup_retrying")) < 2:
+            assert time.monotonic() < deadline, s.log.read_text()[-3000:]
+            assert s.service.poll() is None, s.log.read_text()[-3000:]
+            await asyncio.sleep(0.2)
+        assert not log_events(s.log, "service_started")
+        real = Path(secure_kafka.env["CRS_SECURE_KAFKA_SASL_PASSWORD_FILE"])
+        password_file.write_text(real.read_text())
+        await s.ready_is(200, "assigned")
+        await s.one_more_event(1)
+    assert "not-the-password" not in s.log.read_text(), "a secret in the logs"
 
 
 def log_events(log: Path, event: str) -> list[dict[str, Any]]:
