@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -252,3 +254,14 @@ async def counter_sums(port: int, *names: str) -> dict[str, float]:
         if name in sums:
             sums[name] += value
     return sums
+
+
+def log_events(path: Path, event: str) -> list[dict[str, Any]]:
+    """The JSON log lines of ``event`` in a service's log, in order (aiokafka's plain
+    lines are skipped)."""
+    needle = f'"event":"{event}"'
+    return [
+        json.loads(line)
+        for line in path.read_text(errors="replace").splitlines()
+        if needle in line and line.startswith("{")
+    ]

@@ -792,16 +792,6 @@ async def test_key_concurrency_bounds_the_lanes_running_at_once(
     assert replicas.stop_all() == {"a": 0}
 
 
-def log_events(path: Path, event: str) -> list[dict[str, Any]]:
-    """The JSON log lines of ``event`` in a replica's log, in order."""
-    needle = f'"event":"{event}"'
-    return [
-        json.loads(line)
-        for line in path.read_text(errors="replace").splitlines()
-        if needle in line and line.startswith("{")
-    ]
-
-
 async def test_a_revoke_bounds_its_last_commits_when_the_broker_hangs(
     devstack: DevStack,
     clean_k8s: Any,
@@ -837,19 +827,19 @@ async def test_a_revoke_bounds_its_last_commits_when_the_broker_hangs(
 
     await first_outputs(boot, topics, replicas)
     a_log, b_log = replicas.log_dir / "a.log", replicas.log_dir / "b.log"
-    revokes_before = len(log_events(a_log, "partitions_revoking"))
+    revokes_before = len(e2e.log_events(a_log, "partitions_revoking"))
     apiserver = int((devstack.run_dir / "kube-apiserver.pid").read_text())
     broker = int((devstack.run_dir / "kafka.pid").read_text())
     frozen: list[int] = []
     try:
         replicas.spawn("b", topics, **settings)
         deadline = time.monotonic() + 60
-        while not log_events(b_log, "consumer_started"):  # b is joining: a rebalance
+        while not e2e.log_events(b_log, "consumer_started"):  # b is joining: a rebalance
             assert time.monotonic() < deadline, replicas.logs()
             await asyncio.sleep(0.05)
         os.kill(apiserver, signal.SIGSTOP)  # a's placements in progress stay so
         frozen.append(apiserver)
-        while len(log_events(a_log, "partitions_revoking")) == revokes_before:
+        while len(e2e.log_events(a_log, "partitions_revoking")) == revokes_before:
             assert time.monotonic() < deadline, replicas.logs()
             await asyncio.sleep(0.05)
         os.kill(broker, signal.SIGSTOP)  # before a's revoke has waited 3 s and commits
@@ -858,16 +848,18 @@ async def test_a_revoke_bounds_its_last_commits_when_the_broker_hangs(
     finally:
         for pid in frozen:
             os.kill(pid, signal.SIGCONT)
-    revoking = log_events(a_log, "partitions_revoking")[revokes_before]
+    revoking = e2e.log_events(a_log, "partitions_revoking")[revokes_before]
     after = [
-        e for e in log_events(a_log, "partitions_revoked") if e["timestamp"] > revoking["timestamp"]
+        e
+        for e in e2e.log_events(a_log, "partitions_revoked")
+        if e["timestamp"] > revoking["timestamp"]
     ]
     assert after, replicas.logs()
     took = (
         datetime.fromisoformat(after[0]["timestamp"])
         - datetime.fromisoformat(revoking["timestamp"])
     ).total_seconds()
-    assert log_events(a_log, "release_commit_cut_short"), "the revoke's commits did not hang"
+    assert e2e.log_events(a_log, "release_commit_cut_short"), "the revoke's commits did not hang"
     assert took <= 3 + 2 + 1, f"a's revoke took {took:.1f} s\n{replicas.logs()}"
 
     ends, outputs, dead = await results(boot, topics, partitions, w, replicas, 180)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import time
@@ -125,12 +124,6 @@ class ForeignMember:
             await self._client.close()
 
 
-def _events(replicas: faults.Replicas, name: str, event: str) -> list[dict[str, Any]]:
-    lines = (replicas.log_dir / f"{name}.log").read_text(errors="replace").splitlines()
-    found = [json.loads(x) for x in lines if x.startswith("{")]
-    return [e for e in found if e.get("event") == event]
-
-
 async def test_a_foreign_leader_ending_the_kafka_client_restarts_it_not_stalls_it(
     devstack: DevStack,
     clean_k8s: Any,
@@ -168,9 +161,9 @@ async def test_a_foreign_leader_ending_the_kafka_client_restarts_it_not_stalls_i
         # The replica rejoins and the foreign leader hands it undecodable bytes: aiokafka's
         # coordination ends. Before, the replica stayed up without ever fetching again.
         deadline = time.monotonic() + 45
-        while not _events(replicas, "a", "kafka_client_restarting"):
+        while not e2e.log_events(replicas.log_dir / "a.log", "kafka_client_restarting"):
             if time.monotonic() > deadline:
-                failures = len(_events(replicas, "a", "fetch_failed"))
+                failures = len(e2e.log_events(replicas.log_dir / "a.log", "fetch_failed"))
                 raise AssertionError(
                     f"no restart 45 s after the coordination ended ({failures} fetch_failed)"
                     f"\n{replicas.logs()}"
@@ -193,8 +186,8 @@ async def test_a_foreign_leader_ending_the_kafka_client_restarts_it_not_stalls_i
         assert len(naming) > len(answers) / 2, answers
     finally:
         await foreign.leave()
-    ended = _events(replicas, "a", "kafka_client_ended")
-    restarting = _events(replicas, "a", "kafka_client_restarting")
+    ended = e2e.log_events(replicas.log_dir / "a.log", "kafka_client_ended")
+    restarting = e2e.log_events(replicas.log_dir / "a.log", "kafka_client_restarting")
     assert ended, replicas.logs()
     assert "Unexpected error during coordination" in ended[0]["error"], ended
     # Backing off, not turning hot: consecutive restarts counted, each delay the

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -447,9 +446,9 @@ async def test_the_group_acl_revoked_under_a_running_replica_and_restored_is_rec
         await s.ready_is(200, "assigned")
     # The workload did what the test is about: the heartbeat's refusal ended the client,
     # and its restart met the missing ACL (and waited it out).
-    ended = log_events(s.log, "kafka_client_ended")
+    ended = e2e.log_events(s.log, "kafka_client_ended")
     assert [e["task"] for e in ended][:1] == ["heartbeat"], ended
-    retried = log_events(s.log, "startup_retrying")
+    retried = e2e.log_events(s.log, "startup_retrying")
     assert any("KafkaAccessDenied" in e["error"] for e in retried), retried
 
 
@@ -468,25 +467,16 @@ async def test_a_password_file_rotated_while_the_broker_refuses_the_old_one_is_r
     settings = {"KAFKA_SASL_PASSWORD_FILE": str(password_file)}
     async with started(secure_kafka, devstack, clean_k8s, topics, tmp_path, **settings) as s:
         deadline = time.monotonic() + 30
-        while len(log_events(s.log, "startup_retrying")) < 2:
+        while len(e2e.log_events(s.log, "startup_retrying")) < 2:
             assert time.monotonic() < deadline, s.log.read_text()[-3000:]
             assert s.service.poll() is None, s.log.read_text()[-3000:]
             await asyncio.sleep(0.2)
-        assert not log_events(s.log, "service_started")
+        assert not e2e.log_events(s.log, "service_started")
         real = Path(secure_kafka.env["CRS_SECURE_KAFKA_SASL_PASSWORD_FILE"])
         password_file.write_text(real.read_text())
         await s.ready_is(200, "assigned")
         await s.one_more_event(1)
     assert "not-the-password" not in s.log.read_text(), "a secret in the logs"
-
-
-def log_events(log: Path, event: str) -> list[dict[str, Any]]:
-    """The JSON log lines of ``event`` (aiokafka's plain lines are skipped)."""
-    found = []
-    for line in log.read_text(errors="replace").splitlines():
-        if f'"event":"{event}"' in line:
-            found.append(json.loads(line))
-    return found
 
 
 async def test_a_take_over_refused_past_the_session_timeout_holds_neither_group_nor_others(
@@ -532,7 +522,7 @@ async def test_a_take_over_refused_past_the_session_timeout_holds_neither_group_
 
     async def until_logged(i: int, event: str, n: int = 1) -> None:
         deadline = time.monotonic() + 60
-        while len([e for e in log_events(logs[i], event) if e["partitions"]]) < n:
+        while len([e for e in e2e.log_events(logs[i], event) if e["partitions"]]) < n:
             assert time.monotonic() < deadline, f"{event} x{n}\n{logs[i].read_text()[-3000:]}"
             assert replicas[i].poll() is None, logs[i].read_text()[-3000:]
             await asyncio.sleep(0.2)
@@ -555,10 +545,14 @@ async def test_a_take_over_refused_past_the_session_timeout_holds_neither_group_
             await until_ready_is(ports[0], 503, "cannot take partition over", replicas[0], logs[0])
             await asyncio.sleep(2 * session_s)
             assert await secure_kafka.group_state(cfg.group_id) == ("Stable", 1)
-            assert len(log_events(logs[0], "partitions_assigned")) == 1, logs[0].read_text()[-3000:]
+            assert len(e2e.log_events(logs[0], "partitions_assigned")) == 1, logs[0].read_text()[
+                -3000:
+            ]
             # (A member's first join revokes nothing and logs an empty revoke.)
-            assert not [e for e in log_events(logs[0], "partitions_revoking") if e["partitions"]]
-            failed = log_events(logs[0], "partition_acquire_failed")
+            assert not [
+                e for e in e2e.log_events(logs[0], "partitions_revoking") if e["partitions"]
+            ]
+            failed = e2e.log_events(logs[0], "partition_acquire_failed")
             assert len(failed) >= 5, failed
             assert {f["partition"] for f in failed} == {1}, failed
             # Still a member serving partition 0, two session timeouts later.
@@ -580,7 +574,7 @@ async def test_a_take_over_refused_past_the_session_timeout_holds_neither_group_
             assert not [
                 e
                 for log in logs
-                for e in log_events(log, "partition_acquired")
+                for e in e2e.log_events(log, "partition_acquired")
                 if e["partition"] == 1
             ]
             await secure_kafka.revoke(who, denied, "deny")
@@ -598,10 +592,13 @@ async def test_a_take_over_refused_past_the_session_timeout_holds_neither_group_
                 replica.terminate()
             codes = [await finished(replica, 40) for replica in replicas]
         taken_over = [
-            e for log in logs for e in log_events(log, "partition_acquired") if e["partition"] == 1
+            e
+            for log in logs
+            for e in e2e.log_events(log, "partition_acquired")
+            if e["partition"] == 1
         ]
         assert len(taken_over) == 1, taken_over
-        assert not [e for log in logs for e in log_events(log, "partition_fenced")]
+        assert not [e for log in logs for e in e2e.log_events(log, "partition_fenced")]
         assert codes == [0, 0], [log.read_text()[-3000:] for log in logs]
     finally:
         await secure_kafka.revoke(who, denied, "deny")
