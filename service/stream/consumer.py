@@ -520,7 +520,7 @@ class StreamService:
                     if isinstance(exc, _AUTHZ)
                     else (self._backoff(failures))
                 )
-                self.fetch_error = f"{type(exc).__name__}: {str(exc)[:200]}"
+                self.fetch_error = _brief(exc)
                 log.warning("fetch_failed", error=self.fetch_error, retry_in_s=round(delay, 3))
                 with contextlib.suppress(TimeoutError):  # a stop ends the wait
                     await asyncio.wait_for(self._stopping.wait(), delay)
@@ -556,7 +556,7 @@ class StreamService:
         # Stopping: no take-over or fence re-check starts while the work in hand is
         # committed (the group will never revoke what this member still thinks it owns).
         self._stopping.set()
-        self.fetch_error = f"{type(error).__name__}: {str(error)[:200]}"
+        self.fetch_error = _brief(error)
         log.error(
             "kafka_client_ended",
             task=task,
@@ -1121,8 +1121,12 @@ class StreamService:
             slow.cancel()
 
     async def _acquire_later(self, tp: TopicPartition, delay: float) -> None:
+        """Take ``tp`` over after ``delay`` (registered in _acquiring by its caller, so no
+        other take-over of it starts meanwhile)."""
         await asyncio.sleep(delay)
-        if tp in self._assigned and tp not in self._parts and not self._stopping.is_set():
+        # Re-initialising fences whoever holds the id now: only while the group still
+        # gives this partition to us (a fenced zombie is revoked before this fires).
+        if tp in self._assigned and not self._stopping.is_set():
             await self._acquire(tp)
 
     def _acquire_slow(self, tp: TopicPartition) -> None:
@@ -1363,11 +1367,7 @@ class StreamService:
 
         async def again() -> None:
             await self._drop(part)
-            await asyncio.sleep(delay)
-            # Re-initialising fences whoever holds the id now: only while the group still
-            # gives this partition to us (a fenced zombie is revoked before this fires).
-            if tp in self._assigned and not self._stopping.is_set():
-                await self._acquire(tp)
+            await self._acquire_later(tp, delay)
 
         self._in_background(tp, again(), f"reacquire-{reason}")
 
@@ -1536,6 +1536,11 @@ def _producer_identity(producer: Any) -> tuple[int, int] | None:
     return int(txn.producer_id), int(txn.producer_epoch)
 
 
+def _brief(error: BaseException) -> str:
+    """An error as readiness and the logs name it (bounded)."""
+    return f"{type(error).__name__}: {str(error)[:200]}"
+
+
 def _being_cancelled() -> bool:
     """Whether the current task has been asked to cancel (else a CancelledError it sees
     was raised by a callee of its own accord)."""
@@ -1554,9 +1559,8 @@ def _background_ended(consumer: Any, *, fetch_raised: bool) -> tuple[str, BaseEx
     for the first: assignment bytes it cannot decode, which any client that joins the
     group by its id and leads a rebalance can hand out; every getmany() then raises that
     error, and the member drops out of the group when its session expires and never
-    joins again. The fetch task's end raises nothing:
-    getmany() returns no record, for good, while all looks well. Either way retrying
-    cannot help, a new consumer does.
+    joins again. The fetch task's end raises nothing: getmany() returns no record, for
+    good, while all looks well. Either way retrying cannot help, a new consumer does.
     """
     coordinator = getattr(consumer, "_coordinator", None)
     tasks = [
