@@ -442,6 +442,9 @@ class StreamService:
             if self._shared_producer is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._shared_producer.stop(), 5.0)
+            # The metrics outlive this engine when the Kafka clients restart in-process
+            # (service.app.runtime): nothing held any more, whether or not a revoke ran.
+            self._metrics.forget_partitions()
         self.started = False
         log.info("consumer_stopped", processed=self.processed)
 

@@ -243,3 +243,9 @@ class StreamMetrics:
         for gauge in (self.lag, self.stalled, self.in_flight):
             with contextlib.suppress(KeyError):
                 gauge.remove(topic, str(partition))
+
+    def forget_partitions(self) -> None:
+        """Every partition's series, and none assigned: the engine has closed."""
+        for gauge in (self.lag, self.stalled, self.in_flight):
+            gauge.clear()
+        self.assigned.set(0)

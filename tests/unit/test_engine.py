@@ -1479,3 +1479,21 @@ async def test_opening_ahead_can_be_turned_off(broker: FakeBroker) -> None:
     await until(lambda: outputs(broker) == [b"v0"])
     assert h.service._parts[TP0].producer.calls == ["begin", "send", "offsets", "commit"]
     await h.stop()
+
+
+async def test_a_closed_engine_leaves_no_partition_series_behind(broker: FakeBroker) -> None:
+    # The metrics outlive the engine when the Kafka clients restart in-process: the old
+    # engine's partitions must not stay on /metrics (a lag, a stall) as if still held.
+    h = Harness(broker)
+    gate = h.processor.gates[b"v0"] = asyncio.Event()
+    broker.append(IN, 0, b"k", b"v0")
+    await h.start(TP0)
+    await until(lambda: lag(h) == 1)
+    h.service._stalled[TP0] = "commit failing"
+    h.metrics.stalled.labels(IN, "0").set(1)
+    gate.set()
+    await h.stop()
+    names = {s.name for f in h.metrics.registry.collect() for s in f.samples}
+    per_partition = {"crs_consumer_lag", "crs_partition_stalled", "crs_partition_in_flight"}
+    assert not names & per_partition, names & per_partition
+    assert h.metrics.assigned._value.get() == 0
