@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import gc
+import hashlib
 import random
 import signal
 import ssl
@@ -131,26 +133,64 @@ def watch_options(c: Config) -> WatchOptions:
     }
 
 
-# A start-up attempt's HTTP server and loop watchdog (with its task), handed to the next.
-_Front = tuple[HttpServer, LoopWatchdog, "asyncio.Task[None]"]
+def kube_settings(c: Config) -> tuple[object, ...]:
+    """What the Kubernetes client and the cluster state are built from: parts kept
+    across a restart of the Kafka clients are reused only while it is unchanged (the
+    configuration is read again for each attempt). The kubeconfig's content is part of
+    it: a rotated client certificate or token in it needs a new client. Unreadable: a
+    value that never compares equal, so the next start builds afresh and says why."""
+    content: object = None
+    if c.kubeconfig is not None:
+        try:
+            with open(c.kubeconfig, "rb") as f:
+                content = hashlib.sha256(f.read()).hexdigest()
+        except OSError:
+            content = object()
+    return (c.kubeconfig, content, c.k8s_timeout_s, c.k8s_read_mode, watch_options(c))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Front:
+    """What one attempt hands the next (see :meth:`Runtime.handover`): the HTTP server,
+    the loop watchdog (with its task) and the metrics it serves, always, so probes
+    answer throughout and counters go on counting; and the Kubernetes client with the
+    cluster state (a synced watch cache) when they were running, so that a restart of
+    the Kafka side does not read the whole cluster again."""
+
+    http: HttpServer
+    watchdog: LoopWatchdog
+    watchdog_task: asyncio.Task[None]
+    metrics: StreamMetrics
+    k8s_metrics: K8sMetrics
+    kube: tuple[KubeClient, ListClusterState | WatchClusterState, tuple[object, ...]] | None
 
 
 class Runtime:
     def __init__(self, config: Config, *, front: _Front | None = None) -> None:
-        """``front``: the HTTP server and loop watchdog of a failed start-up attempt,
+        """``front``: what a previous attempt handed over (see :meth:`handover`),
         taken over (and closed by this one's :meth:`stop`)."""
         self.config = config
-        self.metrics = StreamMetrics()
-        self.k8s_metrics = K8sMetrics(self.metrics.registry)
         self.client: KubeClient | None = None
         self.state: ListClusterState | WatchClusterState | None = None
+        # What the client and state were built from (see kube_settings).
+        self._kube_settings: tuple[object, ...] | None = None
         self.stream: StreamService | None = None
         self.http: HttpServer | None = None
         self.watchdog = LoopWatchdog()
         self._watchdog_task: asyncio.Task[None] | None = None
         self.start_error: str | None = None  # the last failed attempt's, for /readyz
-        if front is not None:
-            self.http, self.watchdog, self._watchdog_task = front
+        if front is None:
+            self.metrics = StreamMetrics()
+            self.k8s_metrics = K8sMetrics(self.metrics.registry)
+        else:
+            self.metrics, self.k8s_metrics = front.metrics, front.k8s_metrics
+            self.http, self.watchdog, self._watchdog_task = (
+                front.http,
+                front.watchdog,
+                front.watchdog_task,
+            )
+            if front.kube is not None:
+                self.client, self.state, self._kube_settings = front.kube
             self.http.serve(
                 self.metrics.registry, HealthChecks(alive=self._alive, ready=self._ready)
             )
@@ -172,12 +212,9 @@ class Runtime:
             await self.http.start()
             self._watchdog_task = asyncio.create_task(self.watchdog.run(), name="watchdog")
         await ensure_kafka_access(c)  # a missing ACL fails the start, named, not the loop
-        self.client = await KubeClient.create(
-            c.kubeconfig, request_timeout_s=c.k8s_timeout_s, metrics=self.k8s_metrics
-        )
-        self.state = await self._make_state()
+        state = await self._start_kube()
         recorder = Recorder(
-            self.state,
+            state,
             placement_counter=self.metrics.placement,
             no_host_found_counter=self.metrics.no_host_found,
             **recorder_options(c),
@@ -203,6 +240,34 @@ class Runtime:
         self.start_error = None
         log.info("service_started", http_port=self.http.port, config=c.redacted())
 
+    async def _start_kube(self) -> ListClusterState | WatchClusterState:
+        """The Kubernetes client and cluster state: the ones handed over when they were
+        built from the same settings, else new ones (the handed-over ones closed)."""
+        settings = kube_settings(self.config)
+        if self.client is not None and self.state is not None:
+            if self._kube_settings == settings:
+                log.info("kubernetes_side_kept")
+                return self.state
+            log.info("kubernetes_side_rebuilt", reason="kubernetes settings changed")
+        await self._stop_kube()
+        self.client = await KubeClient.create(
+            self.config.kubeconfig,
+            request_timeout_s=self.config.k8s_timeout_s,
+            metrics=self.k8s_metrics,
+        )
+        self._kube_settings = settings
+        self.state = await self._make_state()
+        return self.state
+
+    async def _stop_kube(self) -> None:
+        client, state = self.client, self.state
+        self.client = self.state = self._kube_settings = None
+        async with contextlib.AsyncExitStack() as stack:
+            if client is not None:
+                stack.push_async_callback(_close, "kubernetes_client", client.close)
+            if isinstance(state, WatchClusterState):
+                stack.push_async_callback(_close, "watch_cache", state.stop)
+
     async def _make_state(self) -> ListClusterState | WatchClusterState:
         assert self.client is not None
         if self.config.k8s_read_mode == "watch":
@@ -221,18 +286,27 @@ class Runtime:
 
     def handover(self, error: str, config: Config | None = None) -> Runtime:
         """The next start-up attempt after this one failed with ``error`` (and was
-        stopped with ``keep_front``): it takes over the HTTP server and the watchdog
-        (``config``: the configuration read again, else this one's)."""
+        stopped with ``keep_front``): it takes over the HTTP server, the watchdog, the
+        metrics and, if this one kept them running, the Kubernetes client and cluster
+        state (``config``: the configuration read again, else this one's)."""
         front = None
         if self.http is not None and self._watchdog_task is not None:
-            front = (self.http, self.watchdog, self._watchdog_task)
+            kube = None
+            if self.client is not None and self.state is not None:
+                assert self._kube_settings is not None
+                kube = (self.client, self.state, self._kube_settings)
+            front = _Front(
+                self.http, self.watchdog, self._watchdog_task, self.metrics, self.k8s_metrics, kube
+            )
         successor = Runtime(config or self.config, front=front)
         successor.start_error = error
         return successor
 
     async def stop(self, *, keep_front: bool = False) -> None:
         """Close whatever was started, the consumer first, the HTTP server last
-        (``keep_front``: not the HTTP server and the watchdog, see :meth:`handover`).
+        (``keep_front``: not the HTTP server and the watchdog, nor the Kubernetes client
+        and a cluster state that started, see :meth:`handover`; a cluster state that
+        did not finish starting is closed).
 
         Every part gets its close call even when an earlier one raises (an exit stack);
         each failure is logged, and one of them is raised once all parts were closed.
@@ -244,10 +318,8 @@ class Runtime:
             if self._watchdog_task is not None and not keep_front:
                 task = self._watchdog_task
                 stack.push_async_callback(_close, "watchdog", functools.partial(_cancel, task))
-            if self.client is not None:
-                stack.push_async_callback(_close, "kubernetes_client", self.client.close)
-            if isinstance(self.state, WatchClusterState):
-                stack.push_async_callback(_close, "watch_cache", self.state.stop)
+            if not keep_front or self.state is None:
+                stack.push_async_callback(self._stop_kube)
             for task in self._tasks:
                 stack.push_async_callback(_close, task.get_name(), functools.partial(_cancel, task))
             if self.kafka_probe is not None:
@@ -423,6 +495,7 @@ async def run_service(config: Config, reload: Callable[[], Config] | None = None
         # once, and their restarts would rebalance the group in lockstep.
         delay = backoff.equal_jitter(delay, jitter)
         log.warning("kafka_client_restarting", error=outcome, restarts=restarts, retry_in_s=delay)
+        running.metrics.client_restarts.inc()
         runtime = running.handover(f"the Kafka client ended: {outcome}", _reloaded(reload))
         with contextlib.suppress(TimeoutError):  # a stop ends the wait (and the start)
             await asyncio.wait_for(stop.wait(), delay)

@@ -186,6 +186,12 @@ class StreamMetrics:
             "Input partitions whose producer was fenced by a newer owner (work dropped)",
             registry=r,
         )
+        self.client_restarts = Counter(
+            "crs_kafka_client_restarts",
+            "In-process restarts of the Kafka clients after one of aiokafka's background "
+            "tasks ended (group coordination, heartbeat, fetch, metadata)",
+            registry=r,
+        )
         self.stalled = Gauge(
             "crs_partition_stalled",
             "1 while an assigned partition cannot make progress (commit or producer failing)",

@@ -450,6 +450,9 @@ async def test_the_group_acl_revoked_under_a_running_replica_and_restored_is_rec
     assert [e["task"] for e in ended][:1] == ["heartbeat"], ended
     retried = e2e.log_events(s.log, "startup_retrying")
     assert any("KafkaAccessDenied" in e["error"] for e in retried), retried
+    # The attempts in between kept the synced watch caches: one LIST per kind in all.
+    listed = [e["kind"] for e in e2e.log_events(s.log, "informer_listed")]
+    assert len(listed) == len(set(listed)), listed
 
 
 async def test_a_password_file_rotated_while_the_broker_refuses_the_old_one_is_read_again(

@@ -13,6 +13,7 @@ from service.app.config import Config
 from service.app.runtime import Runtime
 from service.k8s.cache import WatchClusterState
 from service.stream.consumer import KafkaClientEnded
+from service.stream.metrics import StreamMetrics
 
 
 class Part:
@@ -119,6 +120,7 @@ class Generation:
 
     def __init__(self, config: Config, log: list[str], n: int = 0) -> None:
         self.config, self.log, self.n = config, log, n
+        self.metrics = StreamMetrics()  # run_service counts each restart in it
 
     async def start(self) -> None:
         self.log.append(f"start {self.n}")
@@ -136,6 +138,7 @@ class Generation:
 
     def handover(self, error: str, config: Config | None = None) -> Generation:
         self.log.append(f"handover {self.n}: {error}")
+        self.log.append(f"restarts counted {self.metrics.client_restarts._value.get():.0f}")
         return Generation(self.config, self.log, self.n + 1)
 
 
@@ -152,7 +155,105 @@ async def test_an_ended_kafka_client_is_started_afresh_keeping_the_front(
         "run 0",
         "stop 0 keeping the front",  # the HTTP server and watchdog go on to generation 1
         "handover 0: the Kafka client ended: KafkaError: Unexpected error during coordination",
+        "restarts counted 1",  # crs_kafka_client_restarts_total
         "start 1",
         "run 1",
         "stop 1",  # its loop ended: the whole runtime stops, the process exits 0
     ]
+
+
+# --- what a handover carries: metrics always, the Kubernetes side when it was running
+
+
+def kube_config(tmp_path: Any, content: str = "first") -> Config:
+    path = tmp_path / "kubeconfig"
+    path.write_text(content)
+    return Config.load(env={"KUBECONFIG": str(path)})
+
+
+def front_runtime(config: Config, closed: list[str]) -> Runtime:
+    """A Runtime whose first attempt ran: front, metrics, client and a synced cache."""
+    runtime = Runtime(config)
+    fake: Any = runtime
+    fake.http = Part("http", closed)
+    fake.http.serve = lambda *a: None
+    runtime._watchdog_task = asyncio.create_task(asyncio.sleep(3600), name="watchdog")
+    fake.client = Part("client", closed)
+    fake.state = FakeWatchState(Part("state", closed))
+    runtime._kube_settings = runtime_module.kube_settings(config)
+    fake.stream = Part("stream", closed)
+    return runtime
+
+
+async def test_a_restart_keeps_the_metrics_and_the_running_kubernetes_side(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A restart of the Kafka clients is not a process restart: the counters go on, and
+    # the watch caches are not read again (a foreign group member ending every fresh
+    # client would otherwise make each replica LIST the whole cluster every few seconds).
+    closed: list[str] = []
+    config = kube_config(tmp_path)
+    first = front_runtime(config, closed)
+    await first.stop(keep_front=True)
+    assert closed == ["stream"]
+    second = first.handover("the Kafka client ended: X", kube_config(tmp_path))
+    assert second.metrics is first.metrics
+    assert second.k8s_metrics is first.k8s_metrics
+    assert (second.client, second.state) == (first.client, first.state)
+
+    async def no_new_client(*a: Any, **kw: Any) -> None:
+        raise AssertionError("a new Kubernetes client was built")
+
+    monkeypatch.setattr(runtime_module.KubeClient, "create", no_new_client)
+    await second._start_kube()
+    assert (second.client, second.state) == (first.client, first.state)
+    await second.stop()
+    assert closed == ["stream", "state", "client", "http"]
+    assert second._watchdog_task is not None
+    assert second._watchdog_task.cancelled()
+
+
+async def test_a_changed_kubeconfig_builds_the_kubernetes_side_afresh(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    closed: list[str] = []
+    first = front_runtime(kube_config(tmp_path), closed)
+    await first.stop(keep_front=True)
+    # A rotated client certificate or token: same path, new content.
+    second = first.handover("the Kafka client ended: X", kube_config(tmp_path, "rotated"))
+    built: list[str] = []
+
+    async def create(path: str, **kw: Any) -> Part:
+        with open(path) as f:
+            built.append(f.read())
+        return Part("new client", closed)
+
+    async def make_state() -> Any:
+        return FakeWatchState(Part("new state", closed))
+
+    monkeypatch.setattr(runtime_module.KubeClient, "create", create)
+    monkeypatch.setattr(second, "_make_state", make_state)
+    await second._start_kube()
+    assert built == ["rotated"]
+    assert closed == ["stream", "state", "client"]  # the handed-over ones
+    await second.stop()
+    assert closed[3:] == ["new state", "new client", "http"]
+    assert second._watchdog_task is not None
+    assert second._watchdog_task.cancelled()
+
+
+async def test_a_failed_start_hands_over_a_client_without_its_cache_closed(
+    tmp_path: Any,
+) -> None:
+    # The watch cache's first sync failed (the API server away): nothing started to keep.
+    closed: list[str] = []
+    first = front_runtime(kube_config(tmp_path), closed)
+    fake: Any = first
+    fake.state = None
+    await first.stop(keep_front=True)
+    assert closed == ["stream", "client"]
+    second = first.handover("ApiError: 503", first.config)
+    assert second.client is None
+    assert second.state is None
+    await second.stop()
+    assert closed == ["stream", "client", "http"]
