@@ -5,10 +5,16 @@ Both read the dead-letter topic from its beginning up to the end offsets taken a
 
 ``redrive`` re-publishes each selected dead letter to the input topic: the original key,
 value and headers (the ``crs.*`` headers of the dead letter dropped), plus
-``crs.redrive.count`` (previous count + 1). The processor keeps that header when it
+``crs.redrive.count`` (previous count + 1) and ``crs.redrive.origin`` (the input
+coordinates of the event's first dead letter). The processor keeps both when it
 dead-letters the record again, so a record already redriven ``max_redrives`` times is
-refused instead of circling forever. Re-publishing is safe to repeat: the replayed
-input's classification has the same event id and the slot write is idempotent.
+refused instead of circling forever, and of the dead letters of one event only the
+latest is redriven: the earlier ones were redriven already, and sending them again
+would double the copies with every run. All records of one run are sent in one Kafka
+transaction under a transactional id of the tool's own: a run that fails half-way sends
+nothing, and a second run started meanwhile fences the first. Re-publishing a record
+that then succeeds is safe to repeat: the replayed input's classification has the same
+event id and the slot write is idempotent.
 """
 
 from __future__ import annotations
@@ -23,13 +29,22 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from service.app.config import Config
-from service.stream.processor import REDRIVE_HEADER
+from service.stream.processor import REDRIVE_HEADER, REDRIVE_ORIGIN_HEADER
 
-__all__ = ["DlqFilter", "DlqRecord", "list_dlq", "read_dlq", "redrive", "redrive_headers"]
+__all__ = [
+    "INCOMPLETE",
+    "DlqFilter",
+    "DlqRecord",
+    "list_dlq",
+    "read_dlq",
+    "redrive",
+    "redrive_headers",
+]
 
 _SAMPLE_CHARS = 200
 _SAMPLES_PER_CODE = 3
 _IDLE_POLLS = 4  # empty polls after which the remaining gap is control records
+INCOMPLETE = 3  # redrive's exit code when it did not read the topic up to its end
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,20 @@ class DlqRecord:
     @property
     def code(self) -> str:
         return self.header("crs.error") or "unknown"
+
+    @property
+    def origin(self) -> str:
+        """The input coordinates of the event's first dead letter: what all dead letters
+        of one event (the first and those of its redriven copies) have in common."""
+        kept = self.header(REDRIVE_ORIGIN_HEADER)
+        if kept:
+            return kept
+        topic, partition, offset = (
+            self.header(f"crs.source.{n}") for n in ("topic", "partition", "offset")
+        )
+        if topic is None or partition is None or offset is None:
+            return f"dead letter {self.partition}/{self.offset}"  # not the processor's: itself
+        return f"{topic}/{partition}/{offset}"
 
     @property
     def redrive_count(self) -> int:
@@ -87,12 +116,16 @@ def redrive_headers(r: DlqRecord) -> list[tuple[str, bytes | None]]:
     """The original headers without ``crs.*``, plus the incremented redrive count."""
     kept = [(k, v) for k, v in r.headers if not k.startswith("crs.")]
     kept.append((REDRIVE_HEADER, str(r.redrive_count + 1).encode("ascii")))
+    kept.append((REDRIVE_ORIGIN_HEADER, r.origin.encode("utf-8")))
     return kept
 
 
-async def read_dlq(config: Config, *, max_records: int, visit: Callable[[DlqRecord], None]) -> int:
+async def read_dlq(
+    config: Config, *, max_records: int, visit: Callable[[DlqRecord], None]
+) -> tuple[int, bool]:
     """Call ``visit`` for each dead letter up to the end offsets at start; returns the
-    number read (at most ``max_records``)."""
+    number read (at most ``max_records``) and whether every partition was read to its
+    end offset."""
     from aiokafka import AIOKafkaConsumer
     from aiokafka.structs import TopicPartition
 
@@ -144,9 +177,10 @@ async def read_dlq(config: Config, *, max_records: int, visit: Callable[[DlqReco
                 # Transaction markers occupy offsets no record is returned for: a
                 # partition that only has those left is done.
                 break
+        complete = not pending or idle >= _IDLE_POLLS
     finally:
         await consumer.stop()
-    return read
+    return read, complete
 
 
 @dataclass
@@ -204,7 +238,7 @@ async def list_dlq(
         if flt.matches(r):
             summary.setdefault(r.code, _CodeSummary()).add(r)
 
-    read = await read_dlq(config, max_records=max_records, visit=visit)
+    read, _ = await read_dlq(config, max_records=max_records, visit=visit)
     total = sum(s.count for s in summary.values())
     if as_json:
         doc = {
@@ -239,60 +273,113 @@ async def redrive(
     dry_run: bool,
     out: TextIO = sys.stdout,
 ) -> int:
-    selected: list[DlqRecord] = []
+    """Returns the exit code: 0, or :data:`INCOMPLETE` when the read stopped before the
+    end of the topic (``max_records``): what lies beyond was not looked at."""
+    latest: dict[str, DlqRecord] = {}  # origin -> its latest dead letter so far
     refused: list[tuple[DlqRecord, str]] = []
+
+    def refuse(r: DlqRecord) -> str | None:
+        if r.header("crs.source.topic") not in (None, config.input_topic):
+            return f"from another topic ({_shown(r.header('crs.source.topic') or '')})"
+        if r.redrive_count >= max_redrives:
+            return f"redriven {r.redrive_count} times (--max-redrives)"
+        if r.header("crs.value.omitted") is not None:
+            return "value omitted (too large); the original is in the input topic"
+        if r.header("crs.stub") is not None:
+            # A stub (its dead letter was refused by the topic) has no value: sent back it
+            # would only come back as empty_value. The original is in the input topic.
+            return "a stub without the value; the original is in the input topic"
+        if r.header("crs.key.truncated") is not None:
+            # The cut key would land on another partition, out of the key's order.
+            return "key cut short; the original is in the input topic"
+        if r.header("crs.headers.truncated") or r.header("crs.headers.omitted"):
+            return "headers cut short or left out; the original is in the input topic"
+        return None
 
     def visit(r: DlqRecord) -> None:
         if not flt.matches(r):
             return
-        if r.redrive_count >= max_redrives:
-            refused.append((r, f"redriven {r.redrive_count} times (--max-redrives)"))
-        elif r.header("crs.value.omitted") is not None:
-            refused.append((r, "value omitted (too large); the original is in the input topic"))
-        elif r.header("crs.stub") is not None:
-            # A stub (its dead letter was refused by the topic) has no value: sent back it
-            # would only come back as empty_value. The original is in the input topic.
-            refused.append((r, "a stub without the value; the original is in the input topic"))
-        else:
-            selected.append(r)
+        # The latest dead letter of an event decides: it is the one to send if any
+        # (its redrive count is the highest), and it supersedes the earlier ones.
+        held = latest.get(r.origin)
+        if held is not None and _order(held) > _order(r):
+            r, held = held, r
+        latest[r.origin] = r
+        if held is not None:
+            refused.append((held, f"superseded by its later dead letter p{r.partition}:{r.offset}"))
 
-    read = await read_dlq(config, max_records=max_records, visit=visit)
+    read, complete = await read_dlq(config, max_records=max_records, visit=visit)
+    selected: list[DlqRecord] = []
+    for r in sorted(latest.values(), key=lambda r: (r.partition, r.offset)):
+        why = refuse(r)
+        if why is None:
+            selected.append(r)
+        else:
+            refused.append((r, why))
+    refused.sort(key=lambda rw: (rw[0].partition, rw[0].offset))
     for r, why in refused[:20]:
-        print(f"refused p{r.partition}:{r.offset} ({r.code}): {why}", file=out)
+        print(f"refused p{r.partition}:{r.offset} ({_shown(r.code)}): {why}", file=out)
     if len(refused) > 20:
         print(f"refused {len(refused) - 20} more", file=out)
-    verb = "would redrive" if dry_run else "redriven"
-    if dry_run or not selected:
+    if dry_run:
         for r in selected[:20]:
-            print(f"would redrive p{r.partition}:{r.offset} ({r.code})", file=out)
-        print(
-            f"{verb} {len(selected)}, refused {len(refused)}, read {read} "
-            f"from {config.dlq_topic} to {config.input_topic}",
-            file=out,
-        )
-        return 0
-    await _publish(config, selected)
+            print(f"would redrive p{r.partition}:{r.offset} ({_shown(r.code)})", file=out)
+    elif selected:
+        await _publish(config, selected)
+    verb = "would redrive" if dry_run else "redriven"
     print(
         f"{verb} {len(selected)}, refused {len(refused)}, read {read} "
         f"from {config.dlq_topic} to {config.input_topic}",
         file=out,
     )
+    if not complete:
+        print(
+            f"incomplete: stopped after --max-records {max_records}; the dead letters "
+            "beyond were not looked at (raise it, or narrow with --partition/--from-offset)",
+            file=out,
+        )
+        return INCOMPLETE
     return 0
 
 
+def _shown(text: str, limit: int = 60) -> str:
+    """An input-derived value for the terminal: escaped, bounded."""
+    return ascii(text)[1:-1][:limit]
+
+
+def _order(r: DlqRecord) -> tuple[int, int, int, int]:
+    """Which of two dead letters of one event is the later: more redrives, then time."""
+    return (r.redrive_count, r.timestamp_ms, r.partition, r.offset)
+
+
+def redrive_transactional_id(config: Config) -> str:
+    """The tool's own transactional id, one per input topic: two runs at once fence each
+    other (the later one wins) instead of both sending. Under the service's prefix, so the
+    prefixed TransactionalId ACL a deployment has for the service covers it."""
+    return f"{config.effective_transactional_id_prefix}-dlq-redrive-{config.input_topic}"
+
+
 async def _publish(config: Config, records: Sequence[DlqRecord]) -> None:
+    """All of ``records`` in one transaction: on any failure none is visible to the
+    service (it reads read_committed), so the run can simply be repeated."""
     from aiokafka import AIOKafkaProducer
 
-    producer = AIOKafkaProducer(**config.kafka_client_args(), enable_idempotence=True, acks="all")
+    producer = AIOKafkaProducer(
+        **config.kafka_client_args(),
+        transactional_id=redrive_transactional_id(config),
+        enable_idempotence=True,
+        acks="all",
+    )
     await producer.start()
     try:
-        futures = [
-            await producer.send(
-                config.input_topic, key=r.key, value=r.value, headers=redrive_headers(r)
-            )
-            for r in records
-        ]
-        await asyncio.gather(*futures)
+        async with producer.transaction():
+            futures = [
+                await producer.send(
+                    config.input_topic, key=r.key, value=r.value, headers=redrive_headers(r)
+                )
+                for r in records
+            ]
+            await asyncio.gather(*futures)
     finally:
         with contextlib.suppress(Exception):
             await producer.stop()

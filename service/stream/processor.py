@@ -79,8 +79,14 @@ class _RecordLog:
 
 Headers = Sequence[tuple[str, bytes | None]]
 
-# Survives dead-lettering, so `crs-consumer dlq redrive` can refuse to loop a record.
+# Survive dead-lettering, so `crs-consumer dlq redrive` can refuse to loop a record (the
+# count) and redrive only the latest dead letter of one input (the origin: the first
+# dead letter's input coordinates, topic/partition/offset).
 REDRIVE_HEADER = "crs.redrive.count"
+REDRIVE_ORIGIN_HEADER = "crs.redrive.origin"
+REDRIVE_HEADERS = (REDRIVE_HEADER, REDRIVE_ORIGIN_HEADER)
+# Bound on a kept redrive header's value: they come from input (any producer can set them).
+_REDRIVE_VALUE_BYTES = 320
 
 # aiokafka's default ``max_request_size``: the producer refuses a larger record outright.
 DEFAULT_MAX_RECORD_BYTES = 1_048_576
@@ -258,9 +264,18 @@ def build_dead_letter(
         extra.append(("crs.key.truncated", str(len(key)).encode()))
         key = bytes(key[: bounds.key_bytes])
     kept: list[tuple[str, bytes]] = []
+    redrive: list[tuple[str, bytes]] = []
     used = cut = omitted = 0
     for name, raw in headers or ():
-        if not isinstance(name, str) or (name.startswith("crs.") and name != REDRIVE_HEADER):
+        if not isinstance(name, str):
+            continue
+        if name in REDRIVE_HEADERS:
+            # Outside the headers' budget: when the input's own headers fill it, dropping
+            # the count would let a record loop for ever.
+            if raw is not None and len(raw) <= _REDRIVE_VALUE_BYTES:
+                redrive.append((name, bytes(raw)))
+            continue
+        if name.startswith("crs."):
             continue  # ours are replaced (a re-dead-lettered record gets fresh ones)
         try:
             name_bytes = len(name.encode("utf-8"))
@@ -279,6 +294,7 @@ def build_dead_letter(
             continue
         used += size
         kept.append((name, raw))  # type: ignore[arg-type]  # Kafka allows null values
+    extra.extend(redrive)
     if cut:
         extra.append(("crs.headers.truncated", str(cut).encode()))
     if omitted:

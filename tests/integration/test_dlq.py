@@ -107,7 +107,12 @@ async def test_dead_lettered_during_an_outage_redriven_and_classified_once(
     assert (redriven.key, redriven.value) == (inputs[0].key, inputs[0].value)
     headers = dict(redriven.headers)
     assert headers["crs.redrive.count"] == b"1"
-    assert not [k for k in headers if k.startswith("crs.") and k != "crs.redrive.count"]
+    # The event's first dead letter's input coordinates: what its dead letters share.
+    assert headers["crs.redrive.origin"] == f"{topics['input']}/0/{inputs[0].offset}".encode()
+    assert sorted(k for k in headers if k.startswith("crs.")) == [
+        "crs.redrive.count",
+        "crs.redrive.origin",
+    ]
     assert [h for h in redriven.headers if not h[0].startswith("crs.")] == list(inputs[0].headers)
 
     # The "outage" is over: the same group resumes after the dead-lettered offset and
@@ -141,11 +146,85 @@ async def test_a_record_redriven_too_often_is_refused(
         [(b"vm-a", b"{}", loop_headers), (b"vm-b", b"{}", fresh_headers)],
     )
     await e2e.publish(devstack.kafka_bootstrap, topics["dlq"], [(b"vm-c", None, stub_headers)])
+    # Dead letters that are not the input as it was (found by review): a key cut short
+    # lands on another partition, out of its key's order; headers cut or left out change
+    # what the service decides (a cut ce_id, a new output id); another topic's record
+    # does not belong in this input.
+    cut = [
+        (b"vm-d", b"{}", [*fresh_headers, ("crs.key.truncated", b"9000")]),
+        (b"vm-e", b"{}", [*fresh_headers, ("crs.headers.truncated", b"1")]),
+        (b"vm-f", b"{}", [*fresh_headers, ("crs.headers.omitted", b"2")]),
+        (b"vm-g", b"{}", [*fresh_headers, ("crs.source.topic", b"elsewhere")]),
+    ]
+    await e2e.publish(devstack.kafka_bootstrap, topics["dlq"], cut)
     cfg = e2e.config(devstack, topics)
     out = cli(cfg, "dlq", "redrive", "--max-redrives", "3")
     assert out.returncode == 0, out.stderr
     assert "refused p0:0 (retries_exhausted): redriven 3 times" in out.stdout
     assert "refused p0:2 (output_rejected): a stub without the value" in out.stdout
-    assert "redriven 1, refused 2" in out.stdout
+    assert "refused p0:3 (retries_exhausted): key cut short" in out.stdout
+    assert "refused p0:4 (retries_exhausted): headers cut short or left out" in out.stdout
+    assert "refused p0:5 (retries_exhausted): headers cut short or left out" in out.stdout
+    assert "refused p0:6 (retries_exhausted): from another topic (elsewhere)" in out.stdout
+    assert "redriven 1, refused 6" in out.stdout
     inputs = await e2e.read_all(devstack.kafka_bootstrap, topics["input"], 1, timeout_s=20)
     assert [(r.key, dict(r.headers)["crs.redrive.count"]) for r in inputs] == [(b"vm-b", b"1")]
+
+
+async def test_a_redrive_repeated_while_the_event_keeps_failing_sends_it_once_per_run(
+    devstack: DevStack, clean_k8s: Any, topics: dict[str, str], tmp_path: Path
+) -> None:
+    """Each run used to send every dead letter of the event again, the original and each
+    copy that came back, so n runs of a fix that did not work sent 2^n - 1 copies (found
+    by review: 176 dead letters after 10 runs). Only the latest dead letter of an event
+    is redriven now; the earlier ones are superseded by it."""
+    await e2e.seed_region(clean_k8s)
+    vm, decision, request = e2e.outcome("hv-1", ["hv-1", "hv-2"])
+    await e2e.publish(
+        devstack.kafka_bootstrap, topics["input"], [e2e.good_record(vm, decision, request)]
+    )
+    outage = e2e.config(
+        devstack,
+        topics,
+        KUBECONFIG=unreachable_kubeconfig(devstack, tmp_path),
+        CRS_K8S_READ_MODE="list",
+        CRS_K8S_TIMEOUT_S="1",
+        CRS_MAX_ATTEMPTS="2",
+    )
+    runs = 3
+    async with e2e.running(outage):
+        await e2e.read_all(devstack.kafka_bootstrap, topics["dlq"], 1, timeout_s=60)
+        for run in range(1, runs + 1):
+            done = cli(outage, "dlq", "redrive", "--code", "retries_exhausted")
+            assert done.returncode == 0, done.stderr
+            assert "redriven 1," in done.stdout, done.stdout
+            assert f"refused {run - 1}" in done.stdout, done.stdout
+            # The copy fails again (the "fix" did not work) and is dead-lettered again.
+            await e2e.read_all(devstack.kafka_bootstrap, topics["dlq"], run + 1, timeout_s=60)
+    inputs = await e2e.read_all(devstack.kafka_bootstrap, topics["input"], 2 * runs, timeout_s=3)
+    assert len(inputs) == 1 + runs, [dict(r.headers) for r in inputs]
+    counts = [dict(r.headers).get("crs.redrive.count") for r in inputs]
+    assert counts == [None, b"1", b"2", b"3"]
+    dead = await e2e.read_all(devstack.kafka_bootstrap, topics["dlq"], 2 * runs, timeout_s=3)
+    assert len(dead) == 1 + runs
+
+
+async def test_a_redrive_that_did_not_read_the_whole_topic_says_so_and_fails(
+    devstack: DevStack, topics: dict[str, str]
+) -> None:
+    """--max-records cut the read short and the redrive still reported success (exit 0),
+    so a rerun met the same first records and never the rest (found by review)."""
+    headers = [("crs.error", b"retries_exhausted"), ("crs.reason", b"timed out")]
+    await e2e.publish(
+        devstack.kafka_bootstrap,
+        topics["dlq"],
+        [(f"vm-{i}".encode(), b"{}", headers) for i in range(5)],
+    )
+    cfg = e2e.config(devstack, topics)
+    out = cli(cfg, "dlq", "redrive", "--max-records", "2", "--dry-run")
+    assert out.returncode == 3, (out.stdout, out.stderr)
+    assert "would redrive 2," in out.stdout
+    assert "incomplete: stopped after --max-records 2" in out.stdout
+    whole = cli(cfg, "dlq", "redrive", "--dry-run")
+    assert whole.returncode == 0, (whole.stdout, whole.stderr)
+    assert "would redrive 5," in whole.stdout

@@ -91,17 +91,39 @@ def test_filters_by_code_time_partition_and_offsets() -> None:
 
 
 def test_redrive_headers_drop_crs_headers_and_count_up() -> None:
-    assert redrive_headers(_record()) == [("ce_id", b"1"), ("crs.redrive.count", b"1")]
+    origin = ("crs.redrive.origin", b"dead letter 0/10")  # no crs.source.* of its own
+    assert redrive_headers(_record()) == [("ce_id", b"1"), ("crs.redrive.count", b"1"), origin]
     again = _record(headers=(("crs.redrive.count", b"2"), ("crs.error", b"k8s_error")))
     assert again.redrive_count == 2
-    assert redrive_headers(again) == [("crs.redrive.count", b"3")]
+    assert redrive_headers(again) == [("crs.redrive.count", b"3"), origin]
     assert _record(headers=(("crs.redrive.count", b"junk"),)).redrive_count == 0
     # A header without value (Kafka allows it; the processor keeps the input's redrive
     # count as it is): dlq redrive raised AttributeError and aborted the whole run.
     null = _record(headers=(("crs.redrive.count", None), ("t", None)))
     assert null.redrive_count == 0
     assert null.header("t") is None
-    assert redrive_headers(null) == [("t", None), ("crs.redrive.count", b"1")]
+    assert redrive_headers(null) == [("t", None), ("crs.redrive.count", b"1"), origin]
+
+
+def test_the_origin_is_the_first_dead_letters_input_and_is_carried_on() -> None:
+    source = (
+        ("crs.source.topic", b"in"),
+        ("crs.source.partition", b"2"),
+        ("crs.source.offset", b"7"),
+    )
+    first = _record(headers=source)
+    assert first.origin == "in/2/7"
+    # Its redriven copy was dead-lettered again at other input coordinates: same origin.
+    copy = _record(
+        headers=(
+            ("crs.source.topic", b"in"),
+            ("crs.source.partition", b"2"),
+            ("crs.source.offset", b"90"),
+            *redrive_headers(first)[-2:],
+        )
+    )
+    assert copy.origin == "in/2/7"
+    assert dict(redrive_headers(copy))["crs.redrive.origin"] == b"in/2/7"
 
 
 async def test_a_redriven_record_keeps_its_count_when_dead_lettered_again() -> None:
@@ -120,6 +142,19 @@ async def test_a_redriven_record_keeps_its_count_when_dead_lettered_again() -> N
     assert headers["crs.redrive.count"] == b"2"
     assert headers["t"] == b"x"
     assert headers["crs.error"] == b"not_json"
+
+    # Input headers that fill the headers' budget must not push the redrive headers
+    # out: a record whose count was dropped would start again at 0 and loop for ever.
+    full = [(f"h{i}", b"v" * 200) for i in range(400)]
+    redrive = [("crs.redrive.count", b"2"), ("crs.redrive.origin", b"in/0/3")]
+    out = await proc.process(ref, b"k", b"not json", [*full, *redrive])
+    headers = dict(out.headers)
+    assert "crs.headers.omitted" in headers  # the budget was full
+    assert headers["crs.redrive.count"] == b"2"
+    assert headers["crs.redrive.origin"] == b"in/0/3"
+    # From input: kept only when bounded.
+    out = await proc.process(ref, b"k", b"not json", [("crs.redrive.origin", b"x" * 10_000)])
+    assert "crs.redrive.origin" not in dict(out.headers)
 
 
 def test_kafka_causes_without_a_secured_dev_broker_are_named() -> None:
