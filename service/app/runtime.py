@@ -137,8 +137,10 @@ def kube_settings(c: Config) -> tuple[object, ...]:
     """What the Kubernetes client and the cluster state are built from: parts kept
     across a restart of the Kafka clients are reused only while it is unchanged (the
     configuration is read again for each attempt). The kubeconfig's content is part of
-    it: a rotated client certificate or token in it needs a new client. Unreadable: a
-    value that never compares equal, so the next start builds afresh and says why."""
+    it: a client certificate or token written into it and rotated needs a new client.
+    Files it only names (client-certificate, tokenFile) are not compared; in-cluster,
+    the client re-reads the rotated service-account token itself. Unreadable: a value
+    that never compares equal, so the next start builds afresh and says why."""
     content: object = None
     if c.kubeconfig is not None:
         try:
@@ -211,6 +213,10 @@ class Runtime:
             )
             await self.http.start()
             self._watchdog_task = asyncio.create_task(self.watchdog.run(), name="watchdog")
+        # From the start of each attempt: the metrics outlive the attempts (see _Front),
+        # and crs_ready and the watch caches' activity must keep following /readyz while
+        # an attempt waits (for an ACL, a broker), or the alerts on them see a frozen past.
+        self._tasks.append(asyncio.create_task(self._health_monitor(), name="health-monitor"))
         await ensure_kafka_access(c)  # a missing ACL fails the start, named, not the loop
         state = await self._start_kube()
         recorder = Recorder(
@@ -234,7 +240,6 @@ class Runtime:
             c.kafka_client_args(), interval_s=min(3.0, bound / 4), timeout_s=min(5.0, bound / 2)
         )
         self.kafka_probe.start()
-        self._tasks.append(asyncio.create_task(self._health_monitor(), name="health-monitor"))
         self._tasks.append(asyncio.create_task(self._heap_keeper(), name="heap-keeper"))
         await self.stream.start()
         self.start_error = None
@@ -249,7 +254,9 @@ class Runtime:
                 log.info("kubernetes_side_kept")
                 return self.state
             log.info("kubernetes_side_rebuilt", reason="kubernetes settings changed")
-        await self._stop_kube()
+        # Each close failure is logged; it is no reason to fail (or end) this attempt.
+        with contextlib.suppress(Exception):
+            await self._stop_kube()
         self.client = await KubeClient.create(
             self.config.kubeconfig,
             request_timeout_s=self.config.k8s_timeout_s,
@@ -311,6 +318,10 @@ class Runtime:
         Every part gets its close call even when an earlier one raises (an exit stack);
         each failure is logged, and one of them is raised once all parts were closed.
         """
+        if keep_front:
+            # Not ready until the next attempt's health monitor says otherwise: the
+            # metrics go on to it, and nothing updates them in between.
+            self.metrics.ready.set(0)
         async with contextlib.AsyncExitStack() as stack:
             # Pushed in reverse: the stack unwinds last in, first out.
             if self.http is not None and not keep_front:
@@ -388,7 +399,8 @@ class Runtime:
         checked, ok, detail = self._k8s_ok
         if time.monotonic() - checked < 5:
             return ok, detail
-        assert self.client is not None
+        if self.client is None:
+            return False, "kubernetes client not started"
         try:
             await self.client.get_knowledge()
             ok, detail = True, "ok"
@@ -486,7 +498,8 @@ async def run_service(config: Config, reload: Callable[[], Config] | None = None
             return outcome
         # The Kafka client ended for good (see KafkaClientEnded) and its parts are
         # closed: start afresh in this process, as a failed start-up is, keeping the
-        # HTTP server (/readyz says why) and backing off while it keeps ending at once
+        # HTTP server (/readyz says why), the metrics and the Kubernetes side (see
+        # _Front), and backing off while it keeps ending at once
         # (the foreign group member that ends it is still there).
         quick = time.monotonic() - began < 2 * config.retry_backoff_max_s
         restarts = restarts + 1 if quick else 1
@@ -616,7 +629,8 @@ async def _start_with_retry(
 
     Returns the started runtime, or None after a configuration error (logged) or when a
     stop signal arrives while waiting. Each attempt starts from a fresh Runtime: a failed
-    start is torn down completely first (its HTTP port, clients and producer released).
+    start is torn down first (its Kafka clients and producer released; the HTTP server,
+    metrics and a started Kubernetes side go on to the next attempt, see ``handover``).
     ``reload``: read the configuration again for each further attempt. ``restarting``:
     the service already ran with this configuration, so an authorization the broker
     refuses now (an ACL) changed on its side and is waited out.

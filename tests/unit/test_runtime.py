@@ -245,7 +245,8 @@ async def test_a_changed_kubeconfig_builds_the_kubernetes_side_afresh(
 async def test_a_failed_start_hands_over_a_client_without_its_cache_closed(
     tmp_path: Any,
 ) -> None:
-    # The watch cache's first sync failed (the API server away): nothing started to keep.
+    # A start stopped between the client and the cache (cancelled by a stop signal):
+    # the client alone is not handed over.
     closed: list[str] = []
     first = front_runtime(kube_config(tmp_path), closed)
     fake: Any = first
@@ -257,3 +258,32 @@ async def test_a_failed_start_hands_over_a_client_without_its_cache_closed(
     assert second.state is None
     await second.stop()
     assert closed == ["stream", "client", "http"]
+
+
+async def test_a_stop_while_a_failed_attempt_backs_off_closes_the_handed_over_side(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiokafka.errors import KafkaConnectionError
+
+    closed: list[str] = []
+    first = front_runtime(kube_config(tmp_path), closed)
+    first.metrics.ready.set(1)  # it ran, ready, until its Kafka client ended
+    await first.stop(keep_front=True)
+    runtime = first.handover("the Kafka client ended: X")
+    attempts: list[float] = []
+    attempted = asyncio.Event()
+
+    async def broker_away(config: Config) -> None:
+        attempts.append(runtime.metrics.ready._value.get())
+        attempted.set()
+        raise KafkaConnectionError("Unable to bootstrap")
+
+    monkeypatch.setattr(runtime_module, "ensure_kafka_access", broker_away)
+    stop = asyncio.Event()
+    retrying = asyncio.create_task(runtime_module._start_with_retry(runtime, stop, restarting=True))
+    await asyncio.wait_for(attempted.wait(), 5)
+    await asyncio.sleep(0.05)  # in the back-off
+    stop.set()
+    assert await asyncio.wait_for(retrying, 5) is None
+    assert closed == ["stream", "state", "client", "http"]
+    assert attempts == [0.0]  # not ready while it waits: crs_ready follows /readyz
