@@ -100,6 +100,28 @@ def _add_operability(parser: argparse.ArgumentParser, sub: Any) -> None:
     add_settings(p)
 
 
+def _dlq_args_problem(args: argparse.Namespace, flt: Any) -> str | None:
+    """What makes a dlq command line mean nothing (it would silently match nothing)."""
+    from service.stream.metrics import DEAD_LETTER_CODES
+
+    unknown = sorted(set(args.code) - set(DEAD_LETTER_CODES))
+    if unknown:
+        return f"unknown --code {', '.join(unknown)} (known: {', '.join(DEAD_LETTER_CODES)})"
+    if args.max_records < 1:
+        return "--max-records must be at least 1"
+    if args.max_redrives < 1:
+        return "--max-redrives must be at least 1"
+    if flt.since_ms is not None and flt.until_ms is not None and flt.since_ms > flt.until_ms:
+        return "--since is after --until"
+    if (
+        flt.from_offset is not None
+        and flt.to_offset is not None
+        and flt.from_offset > flt.to_offset
+    ):
+        return "--from-offset is after --to-offset"
+    return None
+
+
 def _run_dlq(args: argparse.Namespace, config: Config) -> int:
     from service.app import dlq
 
@@ -114,6 +136,10 @@ def _run_dlq(args: argparse.Namespace, config: Config) -> int:
         )
     except ValueError as exc:
         print(f"crs-consumer dlq: invalid time: {exc}", file=sys.stderr)
+        return 2
+    problem = _dlq_args_problem(args, flt)
+    if problem:
+        print(f"crs-consumer dlq: {problem}", file=sys.stderr)
         return 2
     try:
         if args.action == "list":

@@ -43,7 +43,10 @@ __all__ = [
 
 _SAMPLE_CHARS = 200
 _SAMPLES_PER_CODE = 3
-_IDLE_POLLS = 4  # empty polls after which the remaining gap is control records
+# Empty polls in a row (500 ms each) after which the read gives up on the partitions not
+# yet at their end offset (a broker that stopped answering). Transaction markers do not
+# hold a read up: the position moves past them without a record being returned.
+_IDLE_POLLS = 20
 INCOMPLETE = 3  # redrive's exit code when it did not read the topic up to its end
 
 
@@ -174,10 +177,8 @@ async def read_dlq(
                 if await consumer.position(tp) >= end[tp]:
                     pending.discard(tp)
             if idle >= _IDLE_POLLS:
-                # Transaction markers occupy offsets no record is returned for: a
-                # partition that only has those left is done.
                 break
-        complete = not pending or idle >= _IDLE_POLLS
+        complete = not pending
     finally:
         await consumer.stop()
     return read, complete
@@ -238,19 +239,19 @@ async def list_dlq(
         if flt.matches(r):
             summary.setdefault(r.code, _CodeSummary()).add(r)
 
-    read, _ = await read_dlq(config, max_records=max_records, visit=visit)
+    read, complete = await read_dlq(config, max_records=max_records, visit=visit)
     total = sum(s.count for s in summary.values())
     if as_json:
         doc = {
             "topic": config.dlq_topic,
             "read": read,
             "matching": total,
-            "truncated": read >= max_records,
+            "truncated": not complete,
             "codes": {c: s.as_dict() for c, s in sorted(summary.items())},
         }
         print(json.dumps(doc, indent=2), file=out)
         return 0
-    more = f" (stopped after --max-records {max_records})" if read >= max_records else ""
+    more = "" if complete else " (incomplete: stopped before the end of the topic)"
     print(f"{config.dlq_topic}: {total} dead letters match of {read} read{more}", file=out)
     for code, s in sorted(summary.items(), key=lambda kv: -kv[1].count):
         offsets = ", ".join(f"p{p}:{a}-{b}" for p, (a, b) in sorted(s.offsets.items()))
@@ -334,8 +335,9 @@ async def redrive(
     )
     if not complete:
         print(
-            f"incomplete: stopped after --max-records {max_records}; the dead letters "
-            "beyond were not looked at (raise it, or narrow with --partition/--from-offset)",
+            f"incomplete: stopped after --max-records {max_records} or {_IDLE_POLLS // 2} s "
+            "without a record before the end of the topic; the dead letters beyond were not "
+            "looked at (raise --max-records, or narrow with --partition/--from-offset)",
             file=out,
         )
         return INCOMPLETE

@@ -3,10 +3,14 @@ redrive headers, the redrive count surviving a second dead-lettering, --version.
 
 from __future__ import annotations
 
+import io
+from typing import Any
+
 import pytest
 from prometheus_client import generate_latest
 
 from service.app.cli import main
+from service.app.config import Config
 from service.app.dlq import DlqFilter, DlqRecord, parse_time, redrive_headers
 from service.stream.codec import InputRef
 from service.stream.metrics import StreamMetrics, service_version
@@ -185,3 +189,86 @@ def test_kafka_causes_without_a_secured_dev_broker_are_named() -> None:
     mtls.reason = "TLSV13_ALERT_CERTIFICATE_REQUIRED"
     assert "client certificate" in diagnose_kafka([mtls, generic], cfg)
     assert diagnose_kafka([generic], cfg) == "KafkaConnectionError: Unable to bootstrap"
+
+
+class _SilentDlqConsumer:
+    """A dead-letter topic of one partition with 5 records a broker never hands out."""
+
+    def __init__(self, **kw: object) -> None:
+        self._client = self
+        self.polls = 0
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def fetch_all_metadata(self) -> Any:
+        return self
+
+    def partitions_for_topic(self, topic: str) -> set[int]:
+        return {0}
+
+    def assign(self, tps: Any) -> None: ...
+
+    async def seek_to_beginning(self, *tps: Any) -> None: ...
+
+    async def end_offsets(self, tps: Any) -> dict[Any, int]:
+        return dict.fromkeys(tps, 5)
+
+    async def getmany(self, *tps: Any, **kw: Any) -> dict[Any, list[Any]]:
+        self.polls += 1
+        return {}
+
+    async def position(self, tp: Any) -> int:
+        return 0
+
+
+async def test_a_read_that_never_reached_the_end_is_incomplete(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A broker slow to answer (a TLS connect, a leader election): the read gave up after
+    # 2 s of empty polls and the redrive reported "read 0" with exit 0 (found by review).
+    import aiokafka
+
+    from service.app import dlq
+
+    made: list[_SilentDlqConsumer] = []
+
+    def consumer(**kw: object) -> _SilentDlqConsumer:
+        made.append(_SilentDlqConsumer(**kw))
+        return made[-1]
+
+    monkeypatch.setattr(aiokafka, "AIOKafkaConsumer", consumer)
+    monkeypatch.setattr(dlq, "_IDLE_POLLS", 3)
+    read, complete = await dlq.read_dlq(Config.load(env={}), max_records=10, visit=print)
+    assert (read, complete) == (0, False)
+    assert made[0].polls == 3
+    out = io.StringIO()
+    flt = dlq.DlqFilter()
+    code = await dlq.redrive(
+        Config.load(env={}), flt=flt, max_records=10, max_redrives=3, dry_run=True, out=out
+    )
+    assert code == dlq.INCOMPLETE
+    assert "incomplete" in out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (["--code", "retries_exhaustd"], "unknown --code retries_exhaustd"),
+        (["--max-records", "0"], "--max-records must be at least 1"),
+        (["--max-redrives", "0"], "--max-redrives must be at least 1"),
+        (
+            ["--since", "2026-01-02T00:00:00Z", "--until", "2026-01-01T00:00:00Z"],
+            "--since is after",
+        ),
+        (["--from-offset", "9", "--to-offset", "3"], "--from-offset is after"),
+    ],
+)
+def test_a_dlq_command_line_that_would_match_nothing_is_refused(
+    args: list[str], problem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before, each ran (against the broker) and reported "0 match", exit 0: a typo in a
+    # code during an incident looked like an empty dead-letter topic.
+    assert main(["dlq", "redrive", "--dry-run", *args]) == 2
+    assert problem in capsys.readouterr().err
