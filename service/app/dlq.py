@@ -276,7 +276,9 @@ async def redrive(
 ) -> int:
     """Returns the exit code: 0, or :data:`INCOMPLETE` when the read stopped before the
     end of the topic (``max_records``): what lies beyond was not looked at."""
-    latest: dict[str, DlqRecord] = {}  # origin -> its latest dead letter so far
+    # origin -> its latest dead letter so far: (order, partition, offset, the record if it
+    # matches the filter; only then is its value kept, for the send).
+    latest: dict[str, tuple[tuple[int, int, int, int], int, int, DlqRecord | None]] = {}
     refused: list[tuple[DlqRecord, str]] = []
 
     def refuse(r: DlqRecord) -> str | None:
@@ -298,20 +300,23 @@ async def redrive(
         return None
 
     def visit(r: DlqRecord) -> None:
-        if not flt.matches(r):
-            return
-        # The latest dead letter of an event decides: it is the one to send if any
-        # (its redrive count is the highest), and it supersedes the earlier ones.
+        # The latest dead letter of an event decides, whether or not it matches the
+        # filter: it is the one to send if any (its redrive count is the highest), and
+        # it supersedes the earlier ones. An earlier one that matches (say
+        # retries_exhausted, when the event's latest is k8s_error) was redriven already.
+        entry = (_order(r), r.partition, r.offset, r if flt.matches(r) else None)
         held = latest.get(r.origin)
-        if held is not None and _order(held) > _order(r):
-            r, held = held, r
-        latest[r.origin] = r
-        if held is not None:
-            refused.append((held, f"superseded by its later dead letter p{r.partition}:{r.offset}"))
+        if held is not None and held[0] > entry[0]:
+            entry, held = held, entry
+        latest[r.origin] = entry
+        if held is not None and held[3] is not None:
+            refused.append((held[3], f"superseded by its later dead letter p{entry[1]}:{entry[2]}"))
 
     read, complete = await read_dlq(config, max_records=max_records, visit=visit)
     selected: list[DlqRecord] = []
-    for r in sorted(latest.values(), key=lambda r: (r.partition, r.offset)):
+    for *_, r in sorted(latest.values(), key=lambda e: (e[1], e[2])):
+        if r is None:
+            continue
         why = refuse(r)
         if why is None:
             selected.append(r)

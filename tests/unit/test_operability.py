@@ -272,3 +272,70 @@ def test_a_dlq_command_line_that_would_match_nothing_is_refused(
     # code during an incident looked like an empty dead-letter topic.
     assert main(["dlq", "redrive", "--dry-run", *args]) == 2
     assert problem in capsys.readouterr().err
+
+
+class _DlqConsumer(_SilentDlqConsumer):
+    """A dead-letter topic of one partition holding ``records`` (aiokafka's shape)."""
+
+    def __init__(self, records: list[Any]) -> None:
+        super().__init__()
+        self.records, self.at = records, 0
+
+    async def end_offsets(self, tps: Any) -> dict[Any, int]:
+        return dict.fromkeys(tps, len(self.records))
+
+    async def getmany(self, *tps: Any, **kw: Any) -> dict[Any, list[Any]]:
+        batch, self.at = self.records[self.at :], len(self.records)
+        return {tps[0]: batch} if batch else {}
+
+    async def position(self, tp: Any) -> int:
+        return self.at
+
+
+async def test_an_events_latest_dead_letter_decides_even_when_the_filter_leaves_it_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The event's first dead letter is retries_exhausted; its redriven copy failed again
+    # as k8s_error. `--code retries_exhausted` must not send the first one once more: it
+    # was redriven already, and its copy's dead letter is the event's latest.
+    from types import SimpleNamespace
+
+    import aiokafka
+
+    from service.app import dlq
+
+    def rec(offset: int, code: bytes, *extra: tuple[str, bytes]) -> Any:
+        headers = [
+            ("crs.error", code),
+            ("crs.source.topic", b"nova.scheduling-outcomes"),
+            ("crs.source.partition", b"0"),
+            ("crs.source.offset", str(5 + offset).encode()),
+            *extra,
+        ]
+        return SimpleNamespace(
+            offset=offset, timestamp=1000 + offset, key=b"vm", value=b"{}", headers=headers
+        )
+
+    copy = (("crs.redrive.count", b"1"), ("crs.redrive.origin", b"nova.scheduling-outcomes/0/5"))
+    records = [rec(0, b"retries_exhausted"), rec(1, b"k8s_error", *copy)]
+    monkeypatch.setattr(aiokafka, "AIOKafkaConsumer", lambda **kw: _DlqConsumer(records))
+    config = Config.load(env={})
+    assert config.input_topic == "nova.scheduling-outcomes"
+
+    async def dry(**kw: Any) -> str:
+        out = io.StringIO()
+        flt = dlq.DlqFilter(**kw)
+        code = await dlq.redrive(
+            config, flt=flt, max_records=10, max_redrives=3, dry_run=True, out=out
+        )
+        assert code == 0
+        return out.getvalue()
+
+    only_first = await dry(codes=frozenset({"retries_exhausted"}))
+    assert "would redrive 0, refused 1" in only_first, only_first
+    assert "refused p0:0 (retries_exhausted): superseded by its later dead letter p0:1" in (
+        only_first
+    )
+    both = await dry()
+    assert "would redrive p0:1 (k8s_error)" in both, both
+    assert "would redrive 1, refused 1" in both, both
