@@ -122,7 +122,8 @@ def _dlq_args_problem(args: argparse.Namespace, flt: Any) -> str | None:
     return None
 
 
-def _run_dlq(args: argparse.Namespace, config: Config) -> int:
+def _dlq_filter(args: argparse.Namespace) -> Any:
+    """The dlq command line's filter, or None after saying on stderr why it means nothing."""
     from service.app import dlq
 
     try:
@@ -136,11 +137,17 @@ def _run_dlq(args: argparse.Namespace, config: Config) -> int:
         )
     except ValueError as exc:
         print(f"crs-consumer dlq: invalid time: {exc}", file=sys.stderr)
-        return 2
+        return None
     problem = _dlq_args_problem(args, flt)
     if problem:
         print(f"crs-consumer dlq: {problem}", file=sys.stderr)
-        return 2
+        return None
+    return flt
+
+
+def _run_dlq(args: argparse.Namespace, config: Config, flt: Any) -> int:
+    from service.app import dlq
+
     try:
         if args.action == "list":
             return asyncio.run(
@@ -190,8 +197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if problems:
             return 2
     if args.command == "dlq":
+        flt = _dlq_filter(args)  # before logging is set up: nothing to log yet
+        if flt is None:
+            return 2
         configure_logging("ERROR", config.log_format)
-        return _run_dlq(args, config)
+        return _run_dlq(args, config, flt)
     if args.command == "run":
         configure_logging(config.log_level, config.log_format)
         from service.app.runtime import run_service

@@ -59,15 +59,16 @@ def unreachable_kubeconfig(devstack: DevStack, tmp_path: Path) -> str:
     return str(path)
 
 
-async def test_dead_lettered_during_an_outage_redriven_and_classified_once(
+async def one_event_and_an_outage(
     devstack: DevStack, clean_k8s: Any, topics: dict[str, str], tmp_path: Path
-) -> None:
+) -> tuple[str, Config]:
+    """One slot_used placement on the input, and the settings of a service that cannot
+    reach the API server and dead-letters it (retries_exhausted) after two attempts."""
     await e2e.seed_region(clean_k8s)
     vm, decision, request = e2e.outcome("hv-1", ["hv-1", "hv-2"])
     await e2e.publish(
         devstack.kafka_bootstrap, topics["input"], [e2e.good_record(vm, decision, request)]
     )
-
     outage = e2e.config(
         devstack,
         topics,
@@ -76,6 +77,13 @@ async def test_dead_lettered_during_an_outage_redriven_and_classified_once(
         CRS_K8S_TIMEOUT_S="1",
         CRS_MAX_ATTEMPTS="2",
     )
+    return vm, outage
+
+
+async def test_dead_lettered_during_an_outage_redriven_and_classified_once(
+    devstack: DevStack, clean_k8s: Any, topics: dict[str, str], tmp_path: Path
+) -> None:
+    vm, outage = await one_event_and_an_outage(devstack, clean_k8s, topics, tmp_path)
     async with e2e.running(outage):
         dead = await e2e.read_all(devstack.kafka_bootstrap, topics["dlq"], 1, timeout_s=60)
     assert [dict(r.headers)["crs.error"] for r in dead] == [b"retries_exhausted"]
@@ -175,22 +183,11 @@ async def test_a_redrive_repeated_while_the_event_keeps_failing_sends_it_once_pe
     devstack: DevStack, clean_k8s: Any, topics: dict[str, str], tmp_path: Path
 ) -> None:
     """Each run used to send every dead letter of the event again, the original and each
-    copy that came back, so n runs of a fix that did not work sent 2^n - 1 copies (found
-    by review: 176 dead letters after 10 runs). Only the latest dead letter of an event
-    is redriven now; the earlier ones are superseded by it."""
-    await e2e.seed_region(clean_k8s)
-    vm, decision, request = e2e.outcome("hv-1", ["hv-1", "hv-2"])
-    await e2e.publish(
-        devstack.kafka_bootstrap, topics["input"], [e2e.good_record(vm, decision, request)]
-    )
-    outage = e2e.config(
-        devstack,
-        topics,
-        KUBECONFIG=unreachable_kubeconfig(devstack, tmp_path),
-        CRS_K8S_READ_MODE="list",
-        CRS_K8S_TIMEOUT_S="1",
-        CRS_MAX_ATTEMPTS="2",
-    )
+    copy that came back, so the copies doubled with each run of a fix that did not work
+    (found by review: 176 dead letters after 10 runs at --max-redrives 3). Only the
+    latest dead letter of an event is redriven now; the earlier ones are superseded by
+    it."""
+    _, outage = await one_event_and_an_outage(devstack, clean_k8s, topics, tmp_path)
     runs = 3
     async with e2e.running(outage):
         await e2e.read_all(devstack.kafka_bootstrap, topics["dlq"], 1, timeout_s=60)
