@@ -85,7 +85,13 @@ def _add_operability(parser: argparse.ArgumentParser, sub: Any) -> None:
 
     parser.add_argument("--version", action="version", version=f"crs-consumer {service_version()}")
     text = "list the dead-letter topic, or redrive dead letters to the input topic"
-    p = sub.add_parser("dlq", help=text, description=text)
+    p = sub.add_parser(
+        "dlq",
+        help=text,
+        description=text,
+        epilog="exit codes: 0 done, 1 failed (redrive: nothing sent), 2 invalid command line or "
+        "configuration, 3 stopped before the end of the dead-letter topic (redrive: nothing sent)",
+    )
     p.add_argument("action", choices=("list", "redrive"), help="list: counts by code; redrive")
     p.add_argument("--code", action="append", default=[], help="only this crs.error code (repeat)")
     p.add_argument("--since", help="only dead letters at/after this time (ISO 8601, UTC)")
@@ -104,9 +110,10 @@ def _dlq_args_problem(args: argparse.Namespace, flt: Any) -> str | None:
     """What makes a dlq command line mean nothing (it would silently match nothing)."""
     from service.stream.metrics import DEAD_LETTER_CODES
 
-    unknown = sorted(set(args.code) - set(DEAD_LETTER_CODES))
+    known = (*DEAD_LETTER_CODES, "unknown")  # "unknown": list's name for a missing crs.error
+    unknown = sorted(set(args.code) - set(known))
     if unknown:
-        return f"unknown --code {', '.join(unknown)} (known: {', '.join(DEAD_LETTER_CODES)})"
+        return f"unknown --code {', '.join(unknown)} (known: {', '.join(known)})"
     if args.max_records < 1:
         return "--max-records must be at least 1"
     if args.max_redrives < 1:

@@ -5,22 +5,24 @@ Both read the dead-letter topic from its beginning up to the end offsets taken a
 
 ``redrive`` re-publishes each selected dead letter to the input topic: the original key,
 value and headers (the ``crs.*`` headers of the dead letter dropped), plus
-``crs.redrive.count`` (previous count + 1) and ``crs.redrive.origin`` (the input
-coordinates of the event's first dead letter). The processor keeps both when it
+``crs.redrive.count`` (previous count + 1). The processor keeps that header when it
 dead-letters the record again, so a record already redriven ``max_redrives`` times is
-refused instead of circling forever, and of the dead letters of one event only the
+refused instead of circling forever. Of the dead letters of one input (the same key,
+value and non-``crs`` headers: the first one and those of its redriven copies) only the
 latest is redriven: the earlier ones were redriven already, and sending them again
-would double the copies with every run. All records of one run are sent in one Kafka
-transaction under a transactional id of the tool's own: a run that fails half-way sends
-nothing, and a second run started meanwhile fences the first. Re-publishing a record
-that then succeeds is safe to repeat: the replayed input's classification has the same
-event id and the slot write is idempotent.
+would double the copies with every run. A run that did not read the topic to its end
+sends nothing (a later dead letter of a selected input may lie beyond). All records of
+one run are sent in one Kafka transaction under a transactional id of the tool's own: a
+run that fails half-way sends nothing, and a second run overlapping it fences it.
+Re-publishing a record that then succeeds is safe to repeat: the replayed input's
+classification has the same event id and the slot write is idempotent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -29,7 +31,7 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from service.app.config import Config
-from service.stream.processor import REDRIVE_HEADER, REDRIVE_ORIGIN_HEADER
+from service.stream.processor import REDRIVE_HEADER
 
 __all__ = [
     "INCOMPLETE",
@@ -48,6 +50,7 @@ _SAMPLES_PER_CODE = 3
 # hold a read up: the position moves past them without a record being returned.
 _IDLE_POLLS = 20
 INCOMPLETE = 3  # redrive's exit code when it did not read the topic up to its end
+_TRANSACTION_TIMEOUT_MS = 900_000
 
 
 @dataclass(frozen=True)
@@ -70,18 +73,23 @@ class DlqRecord:
         return self.header("crs.error") or "unknown"
 
     @property
-    def origin(self) -> str:
-        """The input coordinates of the event's first dead letter: what all dead letters
-        of one event (the first and those of its redriven copies) have in common."""
-        kept = self.header(REDRIVE_ORIGIN_HEADER)
-        if kept:
-            return kept
-        topic, partition, offset = (
-            self.header(f"crs.source.{n}") for n in ("topic", "partition", "offset")
-        )
-        if topic is None or partition is None or offset is None:
-            return f"dead letter {self.partition}/{self.offset}"  # not the processor's: itself
-        return f"{topic}/{partition}/{offset}"
+    def identity(self) -> str:
+        """What all dead letters of one input have in common (the first one and those of
+        its redriven copies): its key, value and non-``crs`` headers, which a redrive
+        sends unchanged. Content, not a header: a header any producer can set could
+        make one input's dead letter supersede another's. Without a value (a stub, a
+        value left out; both refused): the dead letter alone."""
+        if self.value is None:
+            return f"dead letter {self.partition}/{self.offset}"
+        h = hashlib.sha256()
+        for part in (self.key, self.value):
+            h.update(b"-" if part is None else b"+%d:" % len(part) + part)
+        for k, v in self.headers:
+            if not k.startswith("crs."):
+                name = k.encode("utf-8", errors="surrogateescape")
+                h.update(b"h%d:" % len(name) + name)
+                h.update(b"-" if v is None else b"+%d:" % len(v) + v)
+        return h.hexdigest()
 
     @property
     def redrive_count(self) -> int:
@@ -119,7 +127,6 @@ def redrive_headers(r: DlqRecord) -> list[tuple[str, bytes | None]]:
     """The original headers without ``crs.*``, plus the incremented redrive count."""
     kept = [(k, v) for k, v in r.headers if not k.startswith("crs.")]
     kept.append((REDRIVE_HEADER, str(r.redrive_count + 1).encode("ascii")))
-    kept.append((REDRIVE_ORIGIN_HEADER, r.origin.encode("utf-8")))
     return kept
 
 
@@ -178,6 +185,14 @@ async def read_dlq(
                     pending.discard(tp)
             if idle >= _IDLE_POLLS:
                 break
+        if pending and read >= max_records:
+            # Stopped at the limit: complete all the same if nothing but the commit
+            # marker after the last record is left (the service writes transactions).
+            more = await consumer.getmany(*pending, timeout_ms=500, max_records=1)
+            if not any(rec.offset < end[tp] for tp, recs in more.items() for rec in recs):
+                for tp in list(pending):
+                    if await consumer.position(tp) >= end[tp]:
+                        pending.discard(tp)
         complete = not pending
     finally:
         await consumer.stop()
@@ -276,7 +291,7 @@ async def redrive(
 ) -> int:
     """Returns the exit code: 0, or :data:`INCOMPLETE` when the read stopped before the
     end of the topic (``max_records``): what lies beyond was not looked at."""
-    # origin -> its latest dead letter so far: (order, partition, offset, the record if it
+    # identity -> its latest dead letter so far: (order, partition, offset, the record if it
     # matches the filter; only then is its value kept, for the send).
     latest: dict[str, tuple[tuple[int, int, int, int], int, int, DlqRecord | None]] = {}
     refused: list[tuple[DlqRecord, str]] = []
@@ -305,10 +320,10 @@ async def redrive(
         # it supersedes the earlier ones. An earlier one that matches (say
         # retries_exhausted, when the event's latest is k8s_error) was redriven already.
         entry = (_order(r), r.partition, r.offset, r if flt.matches(r) else None)
-        held = latest.get(r.origin)
+        held = latest.get(r.identity)
         if held is not None and held[0] > entry[0]:
             entry, held = held, entry
-        latest[r.origin] = entry
+        latest[r.identity] = entry
         if held is not None and held[3] is not None:
             refused.append((held[3], f"superseded by its later dead letter p{entry[1]}:{entry[2]}"))
 
@@ -327,12 +342,15 @@ async def redrive(
         print(f"refused p{r.partition}:{r.offset} ({_shown(r.code)}): {why}", file=out)
     if len(refused) > 20:
         print(f"refused {len(refused) - 20} more", file=out)
-    if dry_run:
+    # Cut short, a later dead letter of a selected input may lie beyond: sending the one
+    # at hand would redrive that input once more. Nothing is sent then.
+    send = complete and not dry_run
+    if not send:
         for r in selected[:20]:
             print(f"would redrive p{r.partition}:{r.offset} ({_shown(r.code)})", file=out)
     elif selected:
         await _publish(config, selected)
-    verb = "would redrive" if dry_run else "redriven"
+    verb = "redriven" if send else "would redrive"
     print(
         f"{verb} {len(selected)}, refused {len(refused)}, read {read} "
         f"from {config.dlq_topic} to {config.input_topic}",
@@ -340,9 +358,9 @@ async def redrive(
     )
     if not complete:
         print(
-            f"incomplete: stopped after --max-records {max_records} or {_IDLE_POLLS // 2} s "
-            "without a record before the end of the topic; the dead letters beyond were not "
-            "looked at (raise --max-records, or narrow with --partition/--from-offset)",
+            f"incomplete, nothing sent: stopped after --max-records {max_records} or "
+            f"{_IDLE_POLLS // 2} s without a record before the end of the topic; raise "
+            "--max-records (a later dead letter of an input may lie beyond)",
             file=out,
         )
         return INCOMPLETE
@@ -374,6 +392,9 @@ async def _publish(config: Config, records: Sequence[DlqRecord]) -> None:
     producer = AIOKafkaProducer(
         **config.kafka_client_args(),
         transactional_id=redrive_transactional_id(config),
+        # A large run (up to --max-records records of up to a megabyte) can outlast
+        # aiokafka's 60 s: the broker's default cap (transaction.max.timeout.ms).
+        transaction_timeout_ms=_TRANSACTION_TIMEOUT_MS,
         enable_idempotence=True,
         acks="all",
     )

@@ -79,14 +79,10 @@ class _RecordLog:
 
 Headers = Sequence[tuple[str, bytes | None]]
 
-# Survive dead-lettering, so `crs-consumer dlq redrive` can refuse to loop a record (the
-# count) and redrive only the latest dead letter of one input (the origin: the first
-# dead letter's input coordinates, topic/partition/offset).
+# Survives dead-lettering, so `crs-consumer dlq redrive` can refuse to loop a record.
 REDRIVE_HEADER = "crs.redrive.count"
-REDRIVE_ORIGIN_HEADER = "crs.redrive.origin"
-REDRIVE_HEADERS = (REDRIVE_HEADER, REDRIVE_ORIGIN_HEADER)
-# Bound on a kept redrive header's value: they come from input (any producer can set them).
-_REDRIVE_VALUE_BYTES = 320
+# Bound on the kept count's value: it comes from input (any producer can set it).
+_REDRIVE_VALUE_BYTES = 20
 
 # aiokafka's default ``max_request_size``: the producer refuses a larger record outright.
 DEFAULT_MAX_RECORD_BYTES = 1_048_576
@@ -269,10 +265,10 @@ def build_dead_letter(
     for name, raw in headers or ():
         if not isinstance(name, str):
             continue
-        if name in REDRIVE_HEADERS:
-            # Outside the headers' budget: when the input's own headers fill it, dropping
-            # the count would let a record loop for ever.
-            if raw is not None and len(raw) <= _REDRIVE_VALUE_BYTES:
+        if name == REDRIVE_HEADER:
+            # Outside the headers' budget (when the input's own headers fill it, dropping
+            # the count would let a record loop for ever), so bounded: the first only.
+            if not redrive and raw is not None and len(raw) <= _REDRIVE_VALUE_BYTES:
                 redrive.append((name, bytes(raw)))
             continue
         if name.startswith("crs."):

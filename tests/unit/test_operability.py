@@ -95,39 +95,39 @@ def test_filters_by_code_time_partition_and_offsets() -> None:
 
 
 def test_redrive_headers_drop_crs_headers_and_count_up() -> None:
-    origin = ("crs.redrive.origin", b"dead letter 0/10")  # no crs.source.* of its own
-    assert redrive_headers(_record()) == [("ce_id", b"1"), ("crs.redrive.count", b"1"), origin]
+    assert redrive_headers(_record()) == [("ce_id", b"1"), ("crs.redrive.count", b"1")]
     again = _record(headers=(("crs.redrive.count", b"2"), ("crs.error", b"k8s_error")))
     assert again.redrive_count == 2
-    assert redrive_headers(again) == [("crs.redrive.count", b"3"), origin]
+    assert redrive_headers(again) == [("crs.redrive.count", b"3")]
     assert _record(headers=(("crs.redrive.count", b"junk"),)).redrive_count == 0
     # A header without value (Kafka allows it; the processor keeps the input's redrive
     # count as it is): dlq redrive raised AttributeError and aborted the whole run.
     null = _record(headers=(("crs.redrive.count", None), ("t", None)))
     assert null.redrive_count == 0
     assert null.header("t") is None
-    assert redrive_headers(null) == [("t", None), ("crs.redrive.count", b"1"), origin]
+    assert redrive_headers(null) == [("t", None), ("crs.redrive.count", b"1")]
 
 
-def test_the_origin_is_the_first_dead_letters_input_and_is_carried_on() -> None:
-    source = (
-        ("crs.source.topic", b"in"),
-        ("crs.source.partition", b"2"),
-        ("crs.source.offset", b"7"),
-    )
-    first = _record(headers=source)
-    assert first.origin == "in/2/7"
-    # Its redriven copy was dead-lettered again at other input coordinates: same origin.
+def test_the_dead_letters_of_one_input_share_an_identity_its_copies_keep() -> None:
+    first = _record()
+    # Its redriven copy, dead-lettered again elsewhere: what the redrive sent unchanged.
     copy = _record(
+        partition=2,
+        offset=90,
         headers=(
-            ("crs.source.topic", b"in"),
-            ("crs.source.partition", b"2"),
-            ("crs.source.offset", b"90"),
-            *redrive_headers(first)[-2:],
-        )
+            *redrive_headers(first),
+            ("crs.error", b"k8s_error"),
+            ("crs.source.offset", b"77"),
+        ),
     )
-    assert copy.origin == "in/2/7"
-    assert dict(redrive_headers(copy))["crs.redrive.origin"] == b"in/2/7"
+    assert copy.identity == first.identity
+    # Another input: another key, value or non-crs header (a binary-mode ce_id).
+    assert _record(key=b"vm2").identity != first.identity
+    assert _record(value=b"{ }").identity != first.identity
+    other_id = (("ce_id", b"2"), ("crs.error", b"retries_exhausted"))
+    assert _record(headers=other_id).identity != first.identity
+    # Without a value (refused anyway): only itself.
+    assert _record(value=None).identity != _record(value=None, offset=11).identity
 
 
 async def test_a_redriven_record_keeps_its_count_when_dead_lettered_again() -> None:
@@ -150,15 +150,16 @@ async def test_a_redriven_record_keeps_its_count_when_dead_lettered_again() -> N
     # Input headers that fill the headers' budget must not push the redrive headers
     # out: a record whose count was dropped would start again at 0 and loop for ever.
     full = [(f"h{i}", b"v" * 200) for i in range(400)]
-    redrive = [("crs.redrive.count", b"2"), ("crs.redrive.origin", b"in/0/3")]
-    out = await proc.process(ref, b"k", b"not json", [*full, *redrive])
+    out = await proc.process(ref, b"k", b"not json", [*full, ("crs.redrive.count", b"2")])
     headers = dict(out.headers)
     assert "crs.headers.omitted" in headers  # the budget was full
     assert headers["crs.redrive.count"] == b"2"
-    assert headers["crs.redrive.origin"] == b"in/0/3"
-    # From input: kept only when bounded.
-    out = await proc.process(ref, b"k", b"not json", [("crs.redrive.origin", b"x" * 10_000)])
-    assert "crs.redrive.origin" not in dict(out.headers)
+    # From input, so bounded: a long value is dropped, and of repeats the first is kept.
+    out = await proc.process(ref, b"k", b"not json", [("crs.redrive.count", b"9" * 10_000)])
+    assert "crs.redrive.count" not in dict(out.headers)
+    repeated = [("crs.redrive.count", b"%d" % i) for i in range(1, 5000)]
+    out = await proc.process(ref, b"k", b"not json", repeated)
+    assert [v for k, v in out.headers if k == "crs.redrive.count"] == [b"1"]
 
 
 def test_kafka_causes_without_a_secured_dev_broker_are_named() -> None:
@@ -284,8 +285,9 @@ class _DlqConsumer(_SilentDlqConsumer):
     async def end_offsets(self, tps: Any) -> dict[Any, int]:
         return dict.fromkeys(tps, len(self.records))
 
-    async def getmany(self, *tps: Any, **kw: Any) -> dict[Any, list[Any]]:
-        batch, self.at = self.records[self.at :], len(self.records)
+    async def getmany(self, *tps: Any, max_records: int = 500, **kw: Any) -> dict[Any, list[Any]]:
+        batch = self.records[self.at : self.at + max_records]
+        self.at += len(batch)
         return {tps[0]: batch} if batch else {}
 
     async def position(self, tp: Any) -> int:
@@ -316,7 +318,7 @@ async def test_an_events_latest_dead_letter_decides_even_when_the_filter_leaves_
             offset=offset, timestamp=1000 + offset, key=b"vm", value=b"{}", headers=headers
         )
 
-    copy = (("crs.redrive.count", b"1"), ("crs.redrive.origin", b"nova.scheduling-outcomes/0/5"))
+    copy = (("crs.redrive.count", b"1"),)
     records = [rec(0, b"retries_exhausted"), rec(1, b"k8s_error", *copy)]
     monkeypatch.setattr(aiokafka, "AIOKafkaConsumer", lambda **kw: _DlqConsumer(records))
     config = Config.load(env={})
@@ -339,3 +341,38 @@ async def test_an_events_latest_dead_letter_decides_even_when_the_filter_leaves_
     both = await dry()
     assert "would redrive p0:1 (k8s_error)" in both, both
     assert "would redrive 1, refused 1" in both, both
+
+
+class _MarkedDlqConsumer(_DlqConsumer):
+    """As written by the service: the records, then a transaction's commit marker."""
+
+    async def end_offsets(self, tps: Any) -> dict[Any, int]:
+        return dict.fromkeys(tps, len(self.records) + 1)
+
+    async def getmany(self, *tps: Any, **kw: Any) -> dict[Any, list[Any]]:
+        if self.at >= len(self.records):
+            self.at = len(self.records) + 1  # past the marker, no record returned
+            return {}
+        return await super().getmany(*tps, **kw)
+
+
+async def test_a_read_stopped_at_the_limit_with_only_a_marker_left_is_complete(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # --max-records equal to the number of dead letters stopped before the commit marker
+    # after them, and the run was reported incomplete (found by review).
+    from types import SimpleNamespace
+
+    import aiokafka
+
+    from service.app import dlq
+
+    records = [
+        SimpleNamespace(offset=i, timestamp=i, key=b"k", value=b"{}", headers=[]) for i in range(3)
+    ]
+    monkeypatch.setattr(aiokafka, "AIOKafkaConsumer", lambda **kw: _MarkedDlqConsumer(records))
+    seen: list[Any] = []
+    assert await dlq.read_dlq(Config.load(env={}), max_records=3, visit=seen.append) == (3, True)
+    assert len(seen) == 3
+    monkeypatch.setattr(aiokafka, "AIOKafkaConsumer", lambda **kw: _MarkedDlqConsumer(records))
+    assert await dlq.read_dlq(Config.load(env={}), max_records=2, visit=seen.append) == (2, False)
