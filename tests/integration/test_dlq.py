@@ -8,6 +8,7 @@ the VM in one slot). A record already redriven ``--max-redrives`` times is refus
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -222,3 +223,41 @@ async def test_a_redrive_that_did_not_read_the_whole_topic_says_so_and_fails(
     whole = cli(cfg, "dlq", "redrive", "--dry-run")
     assert whole.returncode == 0, (whole.stdout, whole.stderr)
     assert "would redrive 5," in whole.stdout
+
+
+async def test_a_redrive_that_fails_half_way_sends_nothing(
+    devstack: DevStack, topics: dict[str, str]
+) -> None:
+    """One record the input topic refuses (too large for it), one it accepts, on two
+    partitions: the accepted one was sent and the run failed, so a rerun after the fix
+    sent it twice. Now the run is one transaction: aborted, nothing visible to the
+    service's read_committed consumer."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    from service.stream.partitioner import partition_for_key
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=devstack.kafka_bootstrap)
+    await admin.start()
+    small_input = f"in-small-{os.urandom(5).hex()}"
+    try:
+        limit = {"max.message.bytes": "100000"}
+        await admin.create_topics([NewTopic(small_input, 2, 1, topic_configs=limit)])
+        keys = [f"vm-{i}".encode() for i in range(50)]
+        fits = next(k for k in keys if partition_for_key(k, [0, 1], [0, 1]) == 0)
+        too_big = next(k for k in keys if partition_for_key(k, [0, 1], [0, 1]) == 1)
+        headers = [("crs.error", b"retries_exhausted"), ("crs.reason", b"timed out")]
+        await e2e.publish(
+            devstack.kafka_bootstrap,
+            topics["dlq"],
+            [(fits, b"{}", headers), (too_big, b"x" * 200_000, headers)],
+        )
+        cfg = e2e.config(devstack, {**topics, "input": small_input})
+        out = cli(cfg, "dlq", "redrive")
+        assert out.returncode == 1, (out.stdout, out.stderr)
+        assert "FAILED" in out.stderr
+        sent = await e2e.read_all(devstack.kafka_bootstrap, small_input, 1, timeout_s=5)
+        assert not sent, [r.key for r in sent]
+    finally:
+        with contextlib.suppress(Exception):
+            await admin.delete_topics([small_input])
+        await admin.close()
