@@ -14,9 +14,12 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service.app.config import SETTINGS, Config, ConfigError
+
+if TYPE_CHECKING:  # the dlq module (aiokafka) is imported only by the dlq command
+    from service.app.dlq import DlqFilter
 
 __all__ = ["add_settings", "build_parser", "config_from_args", "main"]
 
@@ -89,8 +92,9 @@ def _add_operability(parser: argparse.ArgumentParser, sub: Any) -> None:
         "dlq",
         help=text,
         description=text,
-        epilog="exit codes: 0 done, 1 failed (redrive: nothing sent), 2 invalid command line or "
-        "configuration, 3 stopped before the end of the dead-letter topic (redrive: nothing sent)",
+        epilog="exit codes: 0 done; 1 failed (redrive: nothing sent, unless the commit's outcome "
+        "was unknown); 2 invalid command line or configuration; 3 stopped before the end of "
+        "the dead-letter topic (list: a partial summary; redrive: nothing sent)",
     )
     p.add_argument("action", choices=("list", "redrive"), help="list: counts by code; redrive")
     p.add_argument("--code", action="append", default=[], help="only this crs.error code (repeat)")
@@ -106,7 +110,7 @@ def _add_operability(parser: argparse.ArgumentParser, sub: Any) -> None:
     add_settings(p)
 
 
-def _dlq_args_problem(args: argparse.Namespace, flt: Any) -> str | None:
+def _dlq_args_problem(args: argparse.Namespace, flt: DlqFilter) -> str | None:
     """What makes a dlq command line mean nothing (it would silently match nothing)."""
     from service.stream.metrics import DEAD_LETTER_CODES
 
@@ -129,7 +133,7 @@ def _dlq_args_problem(args: argparse.Namespace, flt: Any) -> str | None:
     return None
 
 
-def _dlq_filter(args: argparse.Namespace) -> Any:
+def _dlq_filter(args: argparse.Namespace) -> DlqFilter | None:
     """The dlq command line's filter, or None after saying on stderr why it means nothing."""
     from service.app import dlq
 
@@ -152,7 +156,7 @@ def _dlq_filter(args: argparse.Namespace) -> Any:
     return flt
 
 
-def _run_dlq(args: argparse.Namespace, config: Config, flt: Any) -> int:
+def _run_dlq(args: argparse.Namespace, config: Config, flt: DlqFilter) -> int:
     from service.app import dlq
 
     try:

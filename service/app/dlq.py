@@ -38,9 +38,11 @@ __all__ = [
     "DlqFilter",
     "DlqRecord",
     "list_dlq",
+    "parse_time",
     "read_dlq",
     "redrive",
     "redrive_headers",
+    "redrive_transactional_id",
 ]
 
 _SAMPLE_CHARS = 200
@@ -49,7 +51,9 @@ _SAMPLES_PER_CODE = 3
 # yet at their end offset (a broker that stopped answering). Transaction markers do not
 # hold a read up: the position moves past them without a record being returned.
 _IDLE_POLLS = 20
-INCOMPLETE = 3  # redrive's exit code when it did not read the topic up to its end
+# The exit code of a read that stopped before the end of the topic (--max-records, or
+# the broker silent for _IDLE_POLLS polls): list's summary is partial, redrive sent nothing.
+INCOMPLETE = 3
 _TRANSACTION_TIMEOUT_MS = 900_000
 
 
@@ -79,7 +83,7 @@ class DlqRecord:
         sends unchanged. Content, not a header: a header any producer can set could
         make one input's dead letter supersede another's. Without a value (a stub, a
         value left out; both refused): the dead letter alone."""
-        if self.value is None:
+        if self.header("crs.stub") is not None or self.header("crs.value.omitted") is not None:
             return f"dead letter {self.partition}/{self.offset}"
         h = hashlib.sha256()
         for part in (self.key, self.value):
@@ -265,7 +269,7 @@ async def list_dlq(
             "codes": {c: s.as_dict() for c, s in sorted(summary.items())},
         }
         print(json.dumps(doc, indent=2), file=out)
-        return 0
+        return 0 if complete else INCOMPLETE
     more = "" if complete else " (incomplete: stopped before the end of the topic)"
     print(f"{config.dlq_topic}: {total} dead letters match of {read} read{more}", file=out)
     for code, s in sorted(summary.items(), key=lambda kv: -kv[1].count):
@@ -277,7 +281,7 @@ async def list_dlq(
         )
         for sample in s.samples:
             print(f"      e.g. {sample!r}", file=out)
-    return 0
+    return 0 if complete else INCOMPLETE
 
 
 async def redrive(
@@ -289,12 +293,13 @@ async def redrive(
     dry_run: bool,
     out: TextIO = sys.stdout,
 ) -> int:
-    """Returns the exit code: 0, or :data:`INCOMPLETE` when the read stopped before the
-    end of the topic (``max_records``): what lies beyond was not looked at."""
+    """Returns the exit code: 0, or :data:`INCOMPLETE` (nothing sent) when the read
+    stopped before the end of the topic: what lies beyond was not looked at."""
     # identity -> its latest dead letter so far: (order, partition, offset, the record if it
     # matches the filter; only then is its value kept, for the send).
     latest: dict[str, tuple[tuple[int, int, int, int], int, int, DlqRecord | None]] = {}
-    refused: list[tuple[DlqRecord, str]] = []
+    # (partition, offset, code, why): no values kept for records that are not sent.
+    refused: list[tuple[int, int, str, str]] = []
 
     def refuse(r: DlqRecord) -> str | None:
         if r.header("crs.source.topic") not in (None, config.input_topic):
@@ -325,7 +330,9 @@ async def redrive(
             entry, held = held, entry
         latest[r.identity] = entry
         if held is not None and held[3] is not None:
-            refused.append((held[3], f"superseded by its later dead letter p{entry[1]}:{entry[2]}"))
+            old = held[3]
+            why = f"superseded by its later dead letter p{entry[1]}:{entry[2]}"
+            refused.append((old.partition, old.offset, old.code, why))
 
     read, complete = await read_dlq(config, max_records=max_records, visit=visit)
     selected: list[DlqRecord] = []
@@ -336,10 +343,10 @@ async def redrive(
         if why is None:
             selected.append(r)
         else:
-            refused.append((r, why))
-    refused.sort(key=lambda rw: (rw[0].partition, rw[0].offset))
-    for r, why in refused[:20]:
-        print(f"refused p{r.partition}:{r.offset} ({_shown(r.code)}): {why}", file=out)
+            refused.append((r.partition, r.offset, r.code, why))
+    refused.sort()
+    for partition, offset, code, why in refused[:20]:
+        print(f"refused p{partition}:{offset} ({_shown(code)}): {why}", file=out)
     if len(refused) > 20:
         print(f"refused {len(refused) - 20} more", file=out)
     # Cut short, a later dead letter of a selected input may lie beyond: sending the one

@@ -1,7 +1,8 @@
 """Wiring and lifecycle: build the parts from a Config, run them, stop them cleanly.
 
-Start order is the dependency order (metrics → Kubernetes → recorder → HTTP → Kafka) and
-shutdown is its reverse, bounded by ``CRS_SHUTDOWN_TIMEOUT_S``: the consume loop finishes
+Start order: the HTTP server and health monitor first (probes answer during the rest),
+then the dependency order (Kafka access → Kubernetes → recorder → Kafka), and shutdown is
+its reverse, bounded by ``CRS_SHUTDOWN_TIMEOUT_S``: the consume loop finishes
 the batch in hand and commits it, the consumer leaves the group (so its partitions move
 at once instead of after a session timeout), then the rest closes.
 """
@@ -156,7 +157,7 @@ class _Front:
     """What one attempt hands the next (see :meth:`Runtime.handover`): the HTTP server,
     the loop watchdog (with its task) and the metrics it serves, always, so probes
     answer throughout and counters go on counting; and the Kubernetes client with the
-    cluster state (a synced watch cache) when they were running, so that a restart of
+    cluster state (the watch caches) when both were started, so that a restart of
     the Kafka side does not read the whole cluster again."""
 
     http: HttpServer
@@ -312,8 +313,8 @@ class Runtime:
     async def stop(self, *, keep_front: bool = False) -> None:
         """Close whatever was started, the consumer first, the HTTP server last
         (``keep_front``: not the HTTP server and the watchdog, nor the Kubernetes client
-        and a cluster state that started, see :meth:`handover`; a cluster state that
-        did not finish starting is closed).
+        and a cluster state that started, see :meth:`handover`; a client without a
+        cluster state is closed).
 
         Every part gets its close call even when an earlier one raises (an exit stack);
         each failure is logged, and one of them is raised once all parts were closed.

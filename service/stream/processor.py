@@ -267,7 +267,8 @@ def build_dead_letter(
             continue
         if name == REDRIVE_HEADER:
             # Outside the headers' budget (when the input's own headers fill it, dropping
-            # the count would let a record loop for ever), so bounded: the first only.
+            # the count would let a record loop for ever), so bounded: the first valid one
+            # (a value of at most _REDRIVE_VALUE_BYTES) only.
             if not redrive and raw is not None and len(raw) <= _REDRIVE_VALUE_BYTES:
                 redrive.append((name, bytes(raw)))
             continue

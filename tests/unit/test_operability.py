@@ -126,8 +126,16 @@ def test_the_dead_letters_of_one_input_share_an_identity_its_copies_keep() -> No
     assert _record(value=b"{ }").identity != first.identity
     other_id = (("ce_id", b"2"), ("crs.error", b"retries_exhausted"))
     assert _record(headers=other_id).identity != first.identity
-    # Without a value (refused anyway): only itself.
-    assert _record(value=None).identity != _record(value=None, offset=11).identity
+    # A tombstone input (empty_value) is one input like any other: its dead letters
+    # share an identity (its redrives used to double as before, found by review).
+    assert _record(value=None).identity == _record(value=None, offset=11).identity
+    # A stub or a value left out (both refused): only itself.
+    for marker in ("crs.stub", "crs.value.omitted"):
+        flagged = ((marker, b"1"),)
+        assert (
+            _record(value=None, headers=flagged).identity
+            != _record(value=None, headers=flagged, offset=11).identity
+        )
 
 
 async def test_a_redriven_record_keeps_its_count_when_dead_lettered_again() -> None:
@@ -251,6 +259,11 @@ async def test_a_read_that_never_reached_the_end_is_incomplete(
     )
     assert code == dlq.INCOMPLETE
     assert "incomplete" in out.getvalue()
+    # list too: its summary is partial.
+    out = io.StringIO()
+    code = await dlq.list_dlq(Config.load(env={}), flt=flt, max_records=10, as_json=True, out=out)
+    assert code == dlq.INCOMPLETE
+    assert '"truncated": true' in out.getvalue()
 
 
 @pytest.mark.parametrize(
