@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 from service.app.config import Config
 from service.stream.processor import REDRIVE_HEADER
@@ -163,6 +163,13 @@ async def read_dlq(
         await consumer.seek_to_beginning(*tps)
         end = await consumer.end_offsets(tps)
         pending = {tp for tp in tps if end[tp] > 0}
+
+        async def settle() -> None:
+            """Drop the partitions read to their end offset from ``pending``."""
+            for tp in list(pending):
+                if await consumer.position(tp) >= end[tp]:
+                    pending.discard(tp)
+
         idle = 0
         while pending and read < max_records:
             batch = await consumer.getmany(
@@ -184,9 +191,7 @@ async def read_dlq(
                             headers=tuple(rec.headers or ()),
                         )
                     )
-            for tp in list(pending):
-                if await consumer.position(tp) >= end[tp]:
-                    pending.discard(tp)
+            await settle()
             if idle >= _IDLE_POLLS:
                 break
         if pending and read >= max_records:
@@ -194,9 +199,7 @@ async def read_dlq(
             # marker after the last record is left (the service writes transactions).
             more = await consumer.getmany(*pending, timeout_ms=500, max_records=1)
             if not any(rec.offset < end[tp] for tp, recs in more.items() for rec in recs):
-                for tp in list(pending):
-                    if await consumer.position(tp) >= end[tp]:
-                        pending.discard(tp)
+                await settle()
         complete = not pending
     finally:
         await consumer.stop()
@@ -295,9 +298,9 @@ async def redrive(
 ) -> int:
     """Returns the exit code: 0, or :data:`INCOMPLETE` (nothing sent) when the read
     stopped before the end of the topic: what lies beyond was not looked at."""
-    # identity -> its latest dead letter so far: (order, partition, offset, the record if it
-    # matches the filter; only then is its value kept, for the send).
-    latest: dict[str, tuple[tuple[int, int, int, int], int, int, DlqRecord | None]] = {}
+    # identity -> its latest dead letter so far: where it is, and the record if it matches
+    # the filter (only then is its value kept, for the send).
+    latest: dict[str, tuple[_Position, DlqRecord | None]] = {}
     # (partition, offset, code, why): no values kept for records that are not sent.
     refused: list[tuple[int, int, str, str]] = []
 
@@ -324,19 +327,20 @@ async def redrive(
         # filter: it is the one to send if any (its redrive count is the highest), and
         # it supersedes the earlier ones. An earlier one that matches (say
         # retries_exhausted, when the event's latest is k8s_error) was redriven already.
-        entry = (_order(r), r.partition, r.offset, r if flt.matches(r) else None)
-        held = latest.get(r.identity)
+        identity = r.identity  # a hash of the whole record: once
+        entry = (_Position.of(r), r if flt.matches(r) else None)
+        held = latest.get(identity)
         if held is not None and held[0] > entry[0]:
             entry, held = held, entry
-        latest[r.identity] = entry
-        if held is not None and held[3] is not None:
-            old = held[3]
-            why = f"superseded by its later dead letter p{entry[1]}:{entry[2]}"
+        latest[identity] = entry
+        if held is not None and (old := held[1]) is not None:
+            later = entry[0]
+            why = f"superseded by its later dead letter p{later.partition}:{later.offset}"
             refused.append((old.partition, old.offset, old.code, why))
 
     read, complete = await read_dlq(config, max_records=max_records, visit=visit)
     selected: list[DlqRecord] = []
-    for *_, r in sorted(latest.values(), key=lambda e: (e[1], e[2])):
+    for _, r in sorted(latest.values(), key=lambda e: (e[0].partition, e[0].offset)):
         if r is None:
             continue
         why = refuse(r)
@@ -379,9 +383,18 @@ def _shown(text: str, limit: int = 60) -> str:
     return ascii(text)[1:-1][:limit]
 
 
-def _order(r: DlqRecord) -> tuple[int, int, int, int]:
-    """Which of two dead letters of one event is the later: more redrives, then time."""
-    return (r.redrive_count, r.timestamp_ms, r.partition, r.offset)
+class _Position(NamedTuple):
+    """Where a dead letter is, ordered so that of two dead letters of one input the
+    later compares greater: more redrives, then time."""
+
+    redrive_count: int
+    timestamp_ms: int
+    partition: int
+    offset: int
+
+    @classmethod
+    def of(cls, r: DlqRecord) -> _Position:
+        return cls(r.redrive_count, r.timestamp_ms, r.partition, r.offset)
 
 
 def redrive_transactional_id(config: Config) -> str:

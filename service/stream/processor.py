@@ -260,7 +260,7 @@ def build_dead_letter(
         extra.append(("crs.key.truncated", str(len(key)).encode()))
         key = bytes(key[: bounds.key_bytes])
     kept: list[tuple[str, bytes]] = []
-    redrive: list[tuple[str, bytes]] = []
+    count: bytes | None = None  # the input's redrive count, kept (see below)
     used = cut = omitted = 0
     for name, raw in headers or ():
         if not isinstance(name, str):
@@ -269,8 +269,8 @@ def build_dead_letter(
             # Outside the headers' budget (when the input's own headers fill it, dropping
             # the count would let a record loop for ever), so bounded: the first valid one
             # (a value of at most _REDRIVE_VALUE_BYTES) only.
-            if not redrive and raw is not None and len(raw) <= _REDRIVE_VALUE_BYTES:
-                redrive.append((name, bytes(raw)))
+            if count is None and raw is not None and len(raw) <= _REDRIVE_VALUE_BYTES:
+                count = bytes(raw)
             continue
         if name.startswith("crs."):
             continue  # ours are replaced (a re-dead-lettered record gets fresh ones)
@@ -291,7 +291,8 @@ def build_dead_letter(
             continue
         used += size
         kept.append((name, raw))  # type: ignore[arg-type]  # Kafka allows null values
-    extra.extend(redrive)
+    if count is not None:
+        extra.append((REDRIVE_HEADER, count))
     if cut:
         extra.append(("crs.headers.truncated", str(cut).encode()))
     if omitted:
