@@ -179,6 +179,23 @@ class _Done:
     counts: deferred.Increments
 
 
+@dataclass(frozen=True, slots=True)
+class _Unsure:
+    """A commit whose outcome is unknown, as much as a take-over needs to count it if it
+    landed (see _landed): not its outputs, which an entry kept for a partition that moved
+    away would hold for the life of the process."""
+
+    offset: int
+    metadata: str
+    counts: tuple[deferred.Increments, ...]
+    sender: tuple[int, int]  # the producer's (id, epoch)
+
+    @classmethod
+    def of(cls, plan: CommitPlan[_Done], sender: tuple[int, int]) -> _Unsure:
+        counts = tuple(done.counts for _, done in plan.items)
+        return cls(plan.offset, plan.metadata, counts, sender)
+
+
 class KafkaClientEnded(Exception):
     """One of aiokafka's consumer tasks has ended for good (see _background_ended): this
     consumer never fetches again, only a new one does. run() raises it after committing
@@ -342,7 +359,10 @@ class StreamService:
         # if it landed, so its counts are applied when this replica's next take-over of
         # the partition proves it did (see _acquire and _landed); kept across revokes, as
         # an eager rebalance often gives the same partition back.
-        self._unsure: dict[TopicPartition, tuple[CommitPlan[_Done], tuple[int, int]]] = {}
+        self._unsure: dict[TopicPartition, _Unsure] = {}
+        # Where aiokafka reset a partition's fetch to below what its ledger had received
+        # (see _fetch_reset): the re-acquisition starts there, not at the committed offset.
+        self._reset_to: dict[TopicPartition, int] = {}
         self._stopping = asyncio.Event()
         self._capacity = asyncio.Event()  # a backpressured partition has room again
         self._background: set[asyncio.Task[Any]] = set()
@@ -569,6 +589,10 @@ class StreamService:
         return error
 
     def _feed(self, part: _Partition, records: list[ConsumerRecord]) -> None:
+        expected = part.ledger.next_expected
+        if records and expected is not None and records[0].offset < expected:
+            self._fetch_reset(part, records[0].offset, expected)
+            return
         for record in records:
             if not part.ledger.receive(record.offset):
                 continue
@@ -587,6 +611,32 @@ class StreamService:
         self._metrics.in_flight.labels(part.tp.topic, str(part.tp.partition)).set(
             part.ledger.in_flight
         )
+
+    def _fetch_reset(self, part: _Partition, offset: int, expected: int) -> None:
+        """aiokafka handed out a record below the offset after the last one received.
+
+        It never delivers a record twice (a seek drops what was buffered, and a fetch
+        answer for an old position is discarded), and the engine itself never seeks
+        below that offset: aiokafka reset the fetch (auto_offset_reset="earliest")
+        because the position lay beyond the partition's end. The log was truncated (an
+        unclean leader election) or the topic recreated while the group's offsets
+        outlived it: the records from ``offset`` on are this log's, to be processed,
+        not skipped as done below the old watermark (which also skipped everything
+        written after them up to that watermark, silently). Taken over again from
+        ``offset``; records read from the old log and not yet committed are abandoned.
+        At least once here: records that survived the truncation are processed again.
+        """
+        tp = part.tp
+        self._metrics.offset_resets.labels(tp.topic, str(tp.partition)).inc()
+        log.error(
+            "fetch_offset_reset",
+            topic=tp.topic,
+            partition=tp.partition,
+            offset=offset,
+            expected=expected,
+        )
+        self._reset_to[tp] = offset
+        self._reacquire(part, delay=0.0, reason="offset-reset")
 
     def _rewind(self, consumer: Any) -> None:
         """Seek every partition being processed back to the offset after the last record
@@ -900,7 +950,7 @@ class StreamService:
         except Exception as exc:  # fenced, or broker, network or client trouble
             sender = _producer_identity(part.producer)
             if sender is not None and not isinstance(exc, ProducerFenced):
-                self._unsure[tp] = (plan, sender)
+                self._unsure[tp] = _Unsure.of(plan, sender)
             self._commit_failed(part, exc)
             return False
         except asyncio.CancelledError as exc:
@@ -911,7 +961,7 @@ class StreamService:
             # nobody in between (a revoke that gives the partition back).
             sender = _producer_identity(part.producer)
             if sender is not None:
-                self._unsure[tp] = (plan, sender)
+                self._unsure[tp] = _Unsure.of(plan, sender)
             if not _being_cancelled():
                 # Not a cancel of this task but a CancelledError leaking out of the
                 # client (a bug): a failed commit, taken over again like any other (only
@@ -930,7 +980,8 @@ class StreamService:
         self._clear_stall(tp)
         self._metrics.commit.observe(time.perf_counter() - started)
         self._metrics.in_flight.labels(tp.topic, str(tp.partition)).set(part.ledger.in_flight)
-        if part.backpressured and part.ledger.in_flight < self._s.max_in_flight // 2:
+        # Resume below half the bound; with a bound of 1 (one record at a time), once empty.
+        if part.backpressured and part.ledger.in_flight < max(1, self._s.max_in_flight // 2):
             part.backpressured = False
             self._capacity.set()
         return True
@@ -1084,6 +1135,8 @@ class StreamService:
         log.info("partitions_revoking", partitions=sorted(tp.partition for tp in revoked))
         # Not ours any more first: a failure while committing below must not re-acquire.
         self._assigned -= set(revoked)
+        for tp in revoked:  # the next owner finds the reset itself
+            self._reset_to.pop(tp, None)
         for tp in revoked:
             task = self._acquiring.pop(tp, None)
             if task is not None:
@@ -1211,9 +1264,8 @@ class StreamService:
         if unsure is not None and _landed(unsure, (start, metadata), producer):
             # That commit landed: its records start behind the new position and nobody
             # counts them unless this does.
-            plan = unsure[0]
-            deferred.apply(done.counts for _, done in plan.items)
-            self.processed += len(plan.items)
+            deferred.apply(unsure.counts)
+            self.processed += len(unsure.counts)
             # A commit that succeeded after all: the failures it was counted among (and
             # a "commit failing" stall) are over, as after any successful commit.
             self._failures.pop(tp, None)
@@ -1223,8 +1275,13 @@ class StreamService:
                 topic=tp.topic,
                 partition=tp.partition,
                 committed=start,
-                records=len(plan.items),
+                records=len(unsure.counts),
             )
+        reset = self._reset_to.pop(tp, None)
+        if reset is not None:
+            # The fetch was reset below the committed offset (see _fetch_reset): start
+            # there; the first commit moves the committed offset back to this log.
+            start, metadata = reset, ""
         if tp not in consumer.assignment():
             if producer is not None:
                 await _close_quietly(producer)
@@ -1304,7 +1361,18 @@ class StreamService:
 
     async def _last_commit(self, part: _Partition) -> None:
         try:
-            await self._commit(part)
+            async with part.commit_lock:
+                if part.closed:
+                    return
+                try:
+                    await self._commit_locked(part)
+                finally:
+                    # The last transaction: a record decided meanwhile wakes the
+                    # committer, which would begin another once the lock is free, and
+                    # the release's cancel would leave that one open on the broker
+                    # (read_committed readers of the outputs held back until its timeout;
+                    # after a scale to 0 nobody re-initialises the id).
+                    part.closed = True
         except Exception as exc:  # released anyway: the next owner reprocesses
             log.warning("release_commit_failed", error=repr(exc)[:300])
 
@@ -1609,10 +1677,8 @@ def _fetch_position(consumer: Any, tp: TopicPartition) -> int | None:
     return int(state.position)
 
 
-def _landed(
-    unsure: tuple[CommitPlan[Any], tuple[int, int]], found: tuple[int | None, str], producer: Any
-) -> bool:
-    """Whether the unsure commit ``unsure`` (plan, sender) is the one the take-over found.
+def _landed(unsure: _Unsure, found: tuple[int | None, str], producer: Any) -> bool:
+    """Whether the unsure commit is the one the take-over found.
 
     The committed offset and metadata must be the plan's: within one ledger a plan always
     moves one or the other, so no earlier commit of this replica matches. And nobody may
@@ -1621,9 +1687,9 @@ def _landed(
     records and committed the same position, having counted them itself. Either doubt
     leaves them uncounted: an under-count, never a double one.
     """
-    plan, (pid, epoch) = unsure
-    if found != (plan.offset, plan.metadata):
+    if found != (unsure.offset, unsure.metadata):
         return False
+    pid, epoch = unsure.sender
     return _producer_identity(producer) == (pid, epoch + 1)
 
 

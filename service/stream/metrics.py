@@ -192,6 +192,13 @@ class StreamMetrics:
             "tasks ended (group coordination, heartbeat, fetch, metadata)",
             registry=r,
         )
+        self.offset_resets = Counter(
+            "crs_offset_resets",
+            "Input partitions whose fetch Kafka reset below the committed offset (the log "
+            "truncated or the topic recreated): processed again from the reset offset",
+            ["topic", "partition"],
+            registry=r,
+        )
         self.stalled = Gauge(
             "crs_partition_stalled",
             "1 while an assigned partition cannot make progress (commit or producer failing)",

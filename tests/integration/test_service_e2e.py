@@ -9,7 +9,8 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from service.app.runtime import Runtime
 from tests import e2e
@@ -226,6 +227,59 @@ async def test_commits_are_triggered_by_count_and_paced_by_the_interval(
         assert len(await e2e.read_all(boot, topics["output"], 7, timeout_s=3)) == 6
     # The stop committed it.
     assert len(await e2e.read_all(boot, topics["output"], 7, timeout_s=10)) == 7
+
+
+async def test_one_record_in_flight_at_a_time_keeps_flowing(
+    devstack: DevStack, clean_k8s: Any, new_topic: Any
+) -> None:
+    """CRS_MAX_IN_FLIGHT=1 processes one record at a time and keeps going: the partition's
+    backpressure lifts when its record is committed (it used to wait for the keep-alive
+    fetch: one record a minute)."""
+    await e2e.seed_region(clean_k8s)
+    topics = await e2e.new_topics(new_topic, 1)
+    boot = devstack.kafka_bootstrap
+    cfg = e2e.config(devstack, topics, CRS_MAX_IN_FLIGHT="1")
+    async with e2e.running(cfg):
+        records = [e2e.good_record(*e2e.outcome(None, ["hv-3"])) for _ in range(10)]
+        await e2e.publish(boot, topics["input"], records)
+        assert len(await e2e.read_all(boot, topics["output"], 10, timeout_s=30)) == 10
+
+
+async def test_a_committed_offset_beyond_the_log_end_is_reset_without_losing_records(
+    devstack: DevStack, clean_k8s: Any, new_topic: Any
+) -> None:
+    """The group's committed offset lies beyond the partition's end (the log was truncated
+    by an unclean leader election, or the topic recreated while the group's offsets
+    outlived it): aiokafka resets the fetch to the earliest offset. The records there
+    are new to this log and must be processed, and the committed offset follow them;
+    they used to be skipped as "already done" below the old watermark, silently, as was
+    everything written after them up to the old offset."""
+    await e2e.seed_region(clean_k8s)
+    topics = await e2e.new_topics(new_topic, 1)
+    boot = devstack.kafka_bootstrap
+    cfg = e2e.config(devstack, topics)
+    tp = TopicPartition(topics["input"], 0)
+    setter = AIOKafkaConsumer(bootstrap_servers=boot, group_id=cfg.group_id)
+    await setter.start()
+    try:
+        setter.assign([tp])
+        await setter.commit({tp: OffsetAndMetadata(1000, "")})
+    finally:
+        await setter.stop()
+    records = [e2e.good_record(*e2e.outcome(None, ["hv-3"])) for _ in range(3)]
+    await e2e.publish(boot, topics["input"], records)
+    async with e2e.running(cfg) as runtime:
+        assert len(await e2e.read_all(boot, topics["output"], 3, timeout_s=30)) == 3
+        await e2e.publish(boot, topics["input"], records[:1])
+        assert len(await e2e.read_all(boot, topics["output"], 4, timeout_s=30)) == 4
+        deadline = time.monotonic() + 20
+        while (found := await e2e.committed(boot, cfg.group_id, tp)) is None or found.offset != 4:
+            assert time.monotonic() < deadline, f"committed {found}"
+            await asyncio.sleep(0.2)
+        resets = runtime.metrics.registry.get_sample_value(
+            "crs_offset_resets_total", {"topic": tp.topic, "partition": "0"}
+        )
+        assert resets == 1
 
 
 async def test_lag_is_zero_once_a_transactional_producers_input_is_processed(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -412,6 +413,22 @@ async def test_backpressure_stops_asking_for_the_partition_without_pausing_it(
     await h.stop()
 
 
+async def test_a_bound_of_one_record_in_flight_keeps_the_partition_flowing(
+    broker: FakeBroker,
+) -> None:
+    # CRS_MAX_IN_FLIGHT=1 (strictly one record at a time) is a valid setting: the
+    # backpressure it sets after each record must lift once that record is committed,
+    # not wait for the keep-alive's one record per poll_keepalive_s.
+    h = Harness(broker, max_in_flight=1, poll_keepalive_s=60.0)
+    broker.append(IN, 0, b"k0", b"v0")
+    await h.start(TP0)
+    await until(lambda: len(outputs(broker)) == 1)
+    broker.append(IN, 0, b"k1", b"v1")
+    await until(lambda: len(outputs(broker)) == 2, limit_s=3.0)
+    assert not h.service._parts[TP0].backpressured
+    await h.stop()
+
+
 async def test_a_partition_full_for_long_is_still_asked_for_one_record_now_and_then(
     broker: FakeBroker,
 ) -> None:
@@ -680,6 +697,38 @@ async def test_a_commit_cut_short_by_a_revoke_is_counted_when_the_partition_come
     assert h.processor.calls == [(0, 0), (0, 1)]  # not redone
 
 
+async def test_a_commit_of_unknown_outcome_is_remembered_without_its_records(
+    broker: FakeBroker,
+) -> None:
+    # What a take-over needs to count a commit that landed after all is its position,
+    # counts and sender; a partition that moved to another member keeps that entry for
+    # the life of the process, so it must not hold the outputs (a dead letter carries its
+    # input's value, up to a megabyte) of every partition that ever moved away so.
+    h = Harness(broker, commit_interval_ms=60_000, commit_burst=1, revoke_commit_s=0.1)
+    broker.append(IN, 0, b"a", b"a0")
+    await h.start(TP0)
+    await until(lambda: outputs(broker) == [b"a0"])  # spends the only token
+    broker.append(IN, 0, b"b", b"b0" * 1000)
+    await until(lambda: h.service._parts[TP0].ledger.done_uncommitted == 1)
+    broker.commit_delay_s = 0.3
+    await h.consumer.assign([])  # revoked, its commit cut short, not given back
+    await until(lambda: TP0 not in h.service._parts)
+    assert TP0 in h.service._unsure
+
+    def payloads(obj: object, depth: int = 0) -> list[object]:
+        if isinstance(obj, (OutRecord, bytes)) and obj != b"":
+            return [obj]
+        if depth > 6 or isinstance(obj, (str, int, float, type)):
+            return []
+        found: list[object] = []
+        for ref in gc.get_referents(obj):
+            found += payloads(ref, depth + 1)
+        return found
+
+    assert payloads(h.service._unsure[TP0]) == []
+    await h.stop()
+
+
 async def test_landed_commits_clear_the_commit_stall_of_a_quiet_partition(
     broker: FakeBroker,
 ) -> None:
@@ -915,6 +964,36 @@ async def test_a_release_cancelled_mid_commit_leaves_no_commit_running(
     running = [t for t in asyncio.all_tasks() if "_last_commit" in repr(t.get_coro())]
     assert running == []
     await h.service.close()
+
+
+async def test_no_transaction_begins_after_a_releases_last_commit(broker: FakeBroker) -> None:
+    # A record decided during the release's last commit woke the committer, which took
+    # the lock after that commit and began a transaction; the release then cancelled it
+    # and closed the producer with the transaction open: read_committed readers of the
+    # outputs held back until the broker's transaction timeout (nobody re-initialises
+    # the id after a scale to 0).
+    h = Harness(
+        broker, stop_wait_s=0.05, commit_interval_ms=60_000, commit_burst=1, commit_max_records=2
+    )
+    gate = h.processor.gates[b"a0"] = asyncio.Event()
+    broker.append(IN, 0, b"a", b"a0")
+    broker.append(IN, 0, b"b", b"b0")
+    await h.start(TP0)
+    part = await h.part()
+    await until(lambda: outputs(broker) == [b"b0"])  # spends the only token
+    broker.append(IN, 0, b"c", b"c0")
+    await until(lambda: part.ledger.done_uncommitted == 1)  # c0 waits for a token
+    broker.commit_delay_s = 0.3
+    h.service.request_stop()
+    await until(lambda: part.producer.calls.count("commit") == 2)  # the release's last
+    gate.set()  # a0 decided while that commit waits for EndTxn
+    assert h.task is not None
+    await asyncio.wait_for(h.task, 5)
+    await h.service.close()
+    calls = part.producer.calls
+    last_begin = len(calls) - 1 - calls[::-1].index("begin")
+    assert calls[last_begin:].count("commit") + calls[last_begin:].count("abort") == 1, calls
+    assert sorted(outputs(broker)) == [b"b0", b"c0"]  # a0: the next owner's
 
 
 async def test_key_concurrency_is_bounded(broker: FakeBroker) -> None:
