@@ -69,20 +69,26 @@ async def run_check(config: Config) -> int:
 # ---------------------------------------------------------------- files
 
 
-def file_problems(config: Config) -> list[str]:
-    """One line per file setting that names a missing or unreadable file."""
+def file_problems(config: Config, *, kubernetes: bool = True) -> list[str]:
+    """One line per file setting that names a missing or unreadable file (``kubernetes``:
+    KUBECONFIG too; a command that never talks to Kubernetes must not trip over it)."""
     files = [("KAFKA_SSL_CAFILE", config.ssl_cafile, "kafka")]
-    files.append(("KUBECONFIG", config.kubeconfig, "kubernetes"))
+    if kubernetes:
+        files.append(("KUBECONFIG", config.kubeconfig, "kubernetes"))
     problems = []
-    for env, path, who in files:
-        if not path:
+    for env, value, who in files:
+        if not value:
             continue
-        if not os.path.exists(path):
-            problems.append(f"{who}: {env}={path}: no such file")
-        elif not os.path.isfile(path):
-            problems.append(f"{who}: {env}={path}: not a regular file")
-        elif not os.access(path, os.R_OK):
-            problems.append(f"{who}: {env}={path}: not readable by uid {os.getuid()}")
+        # KUBECONFIG may list several files, as for kubectl: the client merges them.
+        paths = value.split(os.pathsep) if env == "KUBECONFIG" else [value]
+        for path in filter(None, paths):
+            name = f"{env}={value}" if path == value else f"{env}={value}: {path}"
+            if not os.path.exists(path):
+                problems.append(f"{who}: {name}: no such file")
+            elif not os.path.isfile(path):
+                problems.append(f"{who}: {name}: not a regular file")
+            elif not os.access(path, os.R_OK):
+                problems.append(f"{who}: {name}: not readable by uid {os.getuid()}")
     return problems
 
 

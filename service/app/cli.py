@@ -5,7 +5,7 @@ Every setting can come from its environment variable or from a flag of the same 
 runtime failure (``check`` could not connect, the service failed), 2 invalid
 configuration or usage, with the offending variable named on one line. The demo and
 seeding commands live in a separate tool (tools/demo, ``crs-consumer-demo``), which reuses
-:func:`add_settings` and :func:`config_from_args`.
+:func:`add_settings`, :func:`secret_value_refused` and :func:`config_from_args`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from service.app.config import SETTINGS, Config, ConfigError
 if TYPE_CHECKING:  # the dlq module (aiokafka) is imported only by the dlq command
     from service.app.dlq import DlqFilter
 
-__all__ = ["add_settings", "build_parser", "config_from_args", "main"]
+__all__ = ["add_settings", "build_parser", "config_from_args", "main", "secret_value_refused"]
 
 
 def add_settings(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +78,22 @@ def config_from_args(args: argparse.Namespace) -> Config:
         key = f"{s.field}_file" if s.secret else s.field
         overrides[key] = getattr(args, key)
     return Config.load(overrides=overrides)
+
+
+def secret_value_refused(args: argparse.Namespace) -> str | None:
+    """Why the command line is refused, when it passes a secret as a flag value (the old
+    ``--sasl-password``: a command line is visible to other users), else None.
+
+    For every command taking :func:`add_settings`' flags: :func:`config_from_args` reads
+    secrets from files only, so a value left unrefused would be silently dropped.
+    """
+    for s in SETTINGS:
+        if s.secret and getattr(args, s.field) is not None:
+            return (
+                f"--{s.field.replace('_', '-')} is not accepted (a command line is visible "
+                f"to other users): set {s.env} or {s.file_env}, or pass {s.flag}"
+            )
+    return None
 
 
 # --- operability: --version, dlq list | redrive
@@ -182,14 +198,10 @@ def _run_dlq(args: argparse.Namespace, config: Config, flt: DlqFilter) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for s in SETTINGS:
-        if s.secret and getattr(args, s.field) is not None:
-            print(
-                f"crs-consumer: --{s.field.replace('_', '-')} is not accepted (a command line "
-                f"is visible to other users): set {s.env} or {s.file_env}, or pass {s.flag}",
-                file=sys.stderr,
-            )
-            return 2
+    refused = secret_value_refused(args)
+    if refused:
+        print(f"crs-consumer: {refused}", file=sys.stderr)
+        return 2
     try:
         config = config_from_args(args)
     except ConfigError as exc:
@@ -201,8 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in {"run", "dlq"}:
         from service.app.check import file_problems
 
-        # A missing CA bundle or kubeconfig is a configuration error, named as one.
-        problems = file_problems(config)
+        # A missing CA bundle or kubeconfig is a configuration error, named as one; dlq
+        # talks to Kafka only, so its kubeconfig is none of its business.
+        problems = file_problems(config, kubernetes=args.command == "run")
         for line in problems:
             print(f"crs-consumer: invalid configuration: {line}", file=sys.stderr)
         if problems:

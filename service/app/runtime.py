@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import gc
 import hashlib
+import os
 import random
 import signal
 import ssl
@@ -27,7 +28,7 @@ import structlog
 from aiokafka import errors as kafka_errors
 
 from service import backoff
-from service.app.config import Config
+from service.app.config import Config, ConfigError
 from service.app.http import HealthChecks, HttpServer, LoopWatchdog
 from service.app.kafka_access import KafkaAccessDenied
 from service.app.kafka_access import ensure_access as ensure_kafka_access
@@ -144,9 +145,13 @@ def kube_settings(c: Config) -> tuple[object, ...]:
     that never compares equal, so the next start builds afresh and says why."""
     content: object = None
     if c.kubeconfig is not None:
+        digest = hashlib.sha256()
         try:
-            with open(c.kubeconfig, "rb") as f:
-                content = hashlib.sha256(f.read()).hexdigest()
+            # KUBECONFIG may list several files, as for kubectl (the client merges them).
+            for path in filter(None, c.kubeconfig.split(os.pathsep)):
+                with open(path, "rb") as f:
+                    digest.update(hashlib.sha256(f.read()).digest())
+            content = digest.hexdigest()
         except OSError:
             content = object()
     return (c.kubeconfig, content, c.k8s_timeout_s, c.k8s_read_mode, watch_options(c))
@@ -490,7 +495,12 @@ async def run_service(config: Config, reload: Callable[[], Config] | None = None
     jitter = random.Random()
     while True:
         # Transient Kafka/Kubernetes errors are retried; a configuration error exits.
-        running = await _start_with_retry(runtime, stop, reload, restarting=restarts > 0)
+        try:
+            running = await _start_with_retry(runtime, stop, reload, restarting=restarts > 0)
+        except ConfigError:
+            # A setting found wrong only at start-up (CRS_HTTP_HOST not on this host): the
+            # exit code of any invalid setting, not that of a failed start.
+            return 2
         if running is None:
             return 0 if stop.is_set() else 1
         began = time.monotonic()
@@ -629,8 +639,9 @@ async def _start_with_retry(
     """Start ``runtime``, retrying transient failures with capped exponential back-off.
 
     Returns the started runtime, or None after a configuration error (logged) or when a
-    stop signal arrives while waiting. Each attempt starts from a fresh Runtime: a failed
-    start is torn down first (its Kafka clients and producer released; the HTTP server,
+    stop signal arrives while waiting; a ConfigError (a setting the start found wrong) is
+    raised again once logged and torn down. Each attempt starts from a fresh Runtime: a
+    failed start is torn down first (its Kafka clients and producer released; the HTTP server,
     metrics and a started Kubernetes side go on to the next attempt, see ``handover``).
     ``reload``: read the configuration again for each further attempt. ``restarting``:
     the service already ran with this configuration, so an authorization the broker
@@ -672,6 +683,8 @@ async def _start_with_retry(
                 await asyncio.wait_for(closing, config.shutdown_timeout_s)
             if not transient:
                 log.error("startup_failed", error=error, hint="configuration error; not retried")
+                if isinstance(exc, ConfigError):
+                    raise
                 return None
         runtime = runtime.handover(error, _reloaded(reload))
         delay = backoff.exponential(attempt, config.retry_backoff_s, config.retry_backoff_max_s)

@@ -105,8 +105,11 @@ def test_default_release_two_replicas_pdb_and_least_privilege(helm_built: None) 
     for kind in ("PodDisruptionBudget", "NetworkPolicy"):
         key = "selector" if kind == "PodDisruptionBudget" else "podSelector"
         assert kinds[kind]["spec"][key]["matchLabels"].items() <= pod_labels.items(), kind
+    # AlwaysAllow: /readyz is unready while Kafka or the API server is unreachable, and the
+    # default policy would then refuse every eviction, hanging node drains during an outage.
     assert kinds["PodDisruptionBudget"]["spec"] == {
         "maxUnavailable": 1,
+        "unhealthyPodEvictionPolicy": "AlwaysAllow",
         "selector": kinds["PodDisruptionBudget"]["spec"]["selector"],
     }
     (container,) = pod_spec(docs)["containers"]

@@ -12,7 +12,10 @@ from typing import Annotated
 import msgspec
 import pytest
 
+from crs_demo import demo as crs_demo_module
+from crs_demo.cli import main as demo_main
 from service.app import config as config_module
+from service.app import logs as logs_module
 from service.app.cli import build_parser, main
 from service.app.config import SETTINGS, Config, ConfigError
 from tests.conftest import REPO
@@ -147,6 +150,22 @@ def test_cli_exits_2_naming_the_variable(capsys: pytest.CaptureFixture[str]) -> 
     assert "--http-port" in err
 
 
+def test_an_address_not_on_this_host_exits_2_like_any_invalid_setting(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Found only when the HTTP server binds, the first step of the start (before Kafka or
+    # Kubernetes is contacted, so no dev stack is needed): it exited 1, a start-up
+    # failure, where a configuration error is documented to exit 2.
+    for env in ("KUBECONFIG", "KAFKA_SSL_CAFILE"):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv("CRS_HTTP_HOST", "203.0.113.7")  # TEST-NET-3: on no host
+    monkeypatch.setenv("CRS_HTTP_PORT", "0")
+    monkeypatch.setattr(logs_module, "configure_logging", lambda *_: None)  # keep global state
+    assert main(["run"]) == 2
+    captured = capsys.readouterr()
+    assert "CRS_HTTP_HOST='203.0.113.7'" in captured.out + captured.err
+
+
 def test_module_entry_point_is_the_cli() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "service", "--help"],
@@ -256,6 +275,26 @@ def test_secrets_have_no_value_flag_and_the_old_one_is_refused(
     err = capsys.readouterr().err
     assert "KAFKA_SASL_PASSWORD_FILE" in err
     assert "hunter2" not in err
+
+
+def test_the_demo_tool_refuses_a_secret_flag_value_as_the_service_does(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It takes the same settings, so it also parsed the hidden --sasl-password flag, and
+    # went on without the password (the flag's value was silently dropped).
+    async def demo(*_: object, **__: object) -> int:
+        return 0
+
+    monkeypatch.setattr(crs_demo_module, "demo", demo)  # no cluster: only the refusal counts
+    assert main(["check", "--sasl-password", "hunter2"]) == 2
+    service_err = capsys.readouterr().err
+    assert demo_main(["demo", "--sasl-password", "hunter2"]) == 2
+    demo_err = capsys.readouterr().err
+    assert demo_err.startswith("crs-consumer-demo: ")
+    assert demo_err.removeprefix("crs-consumer-demo: ") == service_err.removeprefix(
+        "crs-consumer: "
+    )
+    assert "hunter2" not in demo_err
 
 
 def test_cli_reads_the_password_from_a_file(tmp_path: Path) -> None:

@@ -4,11 +4,14 @@ redrive headers, the redrive count surviving a second dead-lettering, --version.
 from __future__ import annotations
 
 import io
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
 
+from service.app.check import file_problems
 from service.app.cli import main
 from service.app.config import Config
 from service.app.dlq import DlqFilter, DlqRecord, parse_time, redrive_headers
@@ -286,6 +289,34 @@ def test_a_dlq_command_line_that_would_match_nothing_is_refused(
     # code during an incident looked like an empty dead-letter topic.
     assert main(["dlq", "redrive", "--dry-run", *args]) == 2
     assert problem in capsys.readouterr().err
+
+
+def test_dlq_does_not_check_a_kubeconfig_it_never_uses(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # dlq reads and writes Kafka only: a stale KUBECONFIG in the operator's shell refused
+    # it with exit 2. The unknown code stops it before any broker is contacted; that is
+    # what it must report, not the kubeconfig.
+    monkeypatch.setenv("KUBECONFIG", "/nonexistent/x")
+    monkeypatch.delenv("KAFKA_SSL_CAFILE", raising=False)
+    assert main(["dlq", "list", "--code", "bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "KUBECONFIG" not in err
+    assert "unknown --code bogus" in err
+
+
+def test_a_kubeconfig_list_is_accepted_as_the_client_merges_it(tmp_path: Path) -> None:
+    # The Kubernetes client (kubernetes_asyncio) merges a KUBECONFIG of several files as
+    # kubectl does; each named file is still checked.
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.write_text("{}")
+    second.write_text("{}")
+    both = f"{first}{os.pathsep}{second}"
+    assert file_problems(Config.load(env={"KUBECONFIG": both})) == []
+    second.unlink()
+    assert file_problems(Config.load(env={"KUBECONFIG": both})) == [
+        f"kubernetes: KUBECONFIG={both}: {second}: no such file"
+    ]
 
 
 class _DlqConsumer(_SilentDlqConsumer):

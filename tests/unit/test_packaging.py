@@ -907,6 +907,9 @@ def test_service_servicemonitor_and_pdb_select_the_pods() -> None:
     assert ("minAvailable" in pdb["spec"]) != ("maxUnavailable" in pdb["spec"])
     if "minAvailable" in pdb["spec"]:  # a budget that blocks every drain is a bug
         assert pdb["spec"]["minAvailable"] < deployment["spec"].get("replicas", 1)
+    # Unready pods (Kafka or the API server unreachable) must still be evictable, or a drain
+    # during an outage hangs on the budget.
+    assert pdb["spec"].get("unhealthyPodEvictionPolicy") == "AlwaysAllow"
 
 
 # ---------------------------------------------------------------- the Dockerfile's steps, run

@@ -242,6 +242,20 @@ async def test_a_changed_kubeconfig_builds_the_kubernetes_side_afresh(
     assert second._watchdog_task.cancelled()
 
 
+def test_a_kubeconfig_list_is_compared_file_by_file(tmp_path: Any) -> None:
+    # KUBECONFIG=a:b (the client merges the files, as kubectl does): unchanged files keep
+    # the Kubernetes side across a restart (it was read as one path, never equal: a full
+    # re-LIST per restart); a change in either builds it afresh.
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_text("clusters")
+    b.write_text("users")
+    config = Config.load(env={"KUBECONFIG": f"{a}:{b}"})
+    first = runtime_module.kube_settings(config)
+    assert runtime_module.kube_settings(config) == first
+    b.write_text("users, rotated")
+    assert runtime_module.kube_settings(config) != first
+
+
 async def test_a_failed_start_hands_over_a_client_without_its_cache_closed(
     tmp_path: Any,
 ) -> None:

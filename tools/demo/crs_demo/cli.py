@@ -13,7 +13,7 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
-from service.app.cli import add_settings, config_from_args
+from service.app.cli import add_settings, config_from_args, secret_value_refused
 from service.app.config import ConfigError
 
 __all__ = ["build_parser", "main"]
@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    refused = secret_value_refused(args)
+    if refused:
+        print(f"crs-consumer-demo: {refused}", file=sys.stderr)
+        return 2
     try:
         config = config_from_args(args)
     except ConfigError as exc:
