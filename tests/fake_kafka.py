@@ -265,6 +265,10 @@ class FakeConsumer:
         self.asked_at: list[float] = []  # when (time.monotonic)
         self.returned: list[tuple[float, int]] = []  # (when, records) of each getmany
         self._lso: dict[TopicPartition, int] = {}
+        self._highwater: dict[TopicPartition, int] = {}
+        # A producer's transaction held open on a partition: the offset of its first
+        # record, where the last stable offset stays while the log grows past it.
+        self.open_transaction_at: dict[TopicPartition, int] = {}
         self.awaiting_reset: set[TopicPartition] = set()
 
     async def start(self) -> None:
@@ -324,6 +328,9 @@ class FakeConsumer:
     async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
         return {tp: len(self.broker.logs.get(tp, [])) for tp in tps}
 
+    def highwater(self, tp: TopicPartition) -> int | None:
+        return self._highwater.get(tp)
+
     def last_stable_offset(self, tp: TopicPartition) -> int | None:
         # As aiokafka: known from fetch responses only, so a partition that is not
         # fetched (paused, or left out of getmany) keeps the value of its last fetch.
@@ -349,9 +356,10 @@ class FakeConsumer:
         self.asked_at.append(time.monotonic())
         for tp in sorted((self._assigned & wanted) - self._paused):
             log = self.broker.logs.get(tp, [])
-            self._lso[tp] = len(log)
+            self._lso[tp] = min(len(log), self.open_transaction_at.get(tp, len(log)))
+            self._highwater[tp] = len(log)
             pos = self.positions.get(tp, 0)
-            chunk = log[pos : pos + limit]
+            chunk = log[pos : min(pos + limit, self._lso[tp])]  # read_committed
             if chunk:
                 self.positions[tp] = pos + len(chunk)
                 if records := [_handed_out(r) for r in chunk if not r.control]:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 from service.app.config import SETTINGS, Config, ConfigError
@@ -21,7 +22,14 @@ from service.app.config import SETTINGS, Config, ConfigError
 if TYPE_CHECKING:  # the dlq module (aiokafka) is imported only by the dlq command
     from service.app.dlq import DlqFilter
 
-__all__ = ["add_settings", "build_parser", "config_from_args", "main", "secret_value_refused"]
+__all__ = [
+    "add_settings",
+    "build_parser",
+    "config_from_args",
+    "main",
+    "secret_value_refused",
+    "until_signalled",
+]
 
 
 def add_settings(parser: argparse.ArgumentParser) -> None:
@@ -172,21 +180,61 @@ def _dlq_filter(args: argparse.Namespace) -> DlqFilter | None:
     return flt
 
 
+async def until_signalled(work: Coroutine[Any, Any, int]) -> int:
+    """``work``'s exit code; SIGTERM or SIGHUP cancel it as Ctrl-C does, and exit 143/129.
+
+    Python's default for those ends the process on the spot: a redrive killed so (a
+    `kubectl delete` of its pod, a closed terminal) left its transaction open on the
+    input, holding every event behind it back from the service for up to the
+    transaction's timeout. Cancelled, the transaction's context aborts it on the way out.
+    """
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    received: list[signal.Signals] = []
+
+    def cancel(sig: signal.Signals) -> None:
+        received.append(sig)
+        task.cancel()
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, cancel, sig)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not received:
+            raise
+        task.uncancel()
+        print(
+            f"crs-consumer dlq: stopped by {received[0].name}; what this run had not "
+            "committed was aborted (run it again to finish)",
+            file=sys.stderr,
+        )
+        return 128 + received[0].value
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+
+
 def _run_dlq(args: argparse.Namespace, config: Config, flt: DlqFilter) -> int:
     from service.app import dlq
 
     try:
         if args.action == "list":
             return asyncio.run(
-                dlq.list_dlq(config, flt=flt, max_records=args.max_records, as_json=args.json)
+                until_signalled(
+                    dlq.list_dlq(config, flt=flt, max_records=args.max_records, as_json=args.json)
+                )
             )
         return asyncio.run(
-            dlq.redrive(
-                config,
-                flt=flt,
-                max_records=args.max_records,
-                max_redrives=args.max_redrives,
-                dry_run=args.dry_run,
+            until_signalled(
+                dlq.redrive(
+                    config,
+                    flt=flt,
+                    max_records=args.max_records,
+                    max_redrives=args.max_redrives,
+                    dry_run=args.dry_run,
+                )
             )
         )
     except Exception as exc:  # one line, not a traceback: the cause is in the text

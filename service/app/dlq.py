@@ -338,44 +338,54 @@ async def redrive(
             why = f"superseded by its later dead letter p{later.partition}:{later.offset}"
             refused.append((old.partition, old.offset, old.code, why))
 
-    read, complete = await read_dlq(config, max_records=max_records, visit=visit)
-    selected: list[DlqRecord] = []
-    for _, r in sorted(latest.values(), key=lambda e: (e[0].partition, e[0].offset)):
-        if r is None:
-            continue
-        why = refuse(r)
-        if why is None:
-            selected.append(r)
-        else:
-            refused.append((r.partition, r.offset, r.code, why))
-    refused.sort()
-    for partition, offset, code, why in refused[:20]:
-        print(f"refused p{partition}:{offset} ({_shown(code)}): {why}", file=out)
-    if len(refused) > 20:
-        print(f"refused {len(refused) - 20} more", file=out)
-    # Cut short, a later dead letter of a selected input may lie beyond: sending the one
-    # at hand would redrive that input once more. Nothing is sent then.
-    send = complete and not dry_run
-    if not send:
-        for r in selected[:20]:
-            print(f"would redrive p{r.partition}:{r.offset} ({_shown(r.code)})", file=out)
-    elif selected:
-        await _publish(config, selected)
-    verb = "redriven" if send else "would redrive"
-    print(
-        f"{verb} {len(selected)}, refused {len(refused)}, read {read} "
-        f"from {config.dlq_topic} to {config.input_topic}",
-        file=out,
-    )
-    if not complete:
+    # Started first, whether or not anything will be sent: its InitProducerId aborts the
+    # open transaction of an earlier run that was killed while sending, which would
+    # otherwise hold every input event behind it back from the service for up to
+    # _TRANSACTION_TIMEOUT_MS. Running the tool again is how that is ended.
+    producer = None if dry_run else await _transactional_producer(config)
+    try:
+        read, complete = await read_dlq(config, max_records=max_records, visit=visit)
+        selected: list[DlqRecord] = []
+        for _, r in sorted(latest.values(), key=lambda e: (e[0].partition, e[0].offset)):
+            if r is None:
+                continue
+            why = refuse(r)
+            if why is None:
+                selected.append(r)
+            else:
+                refused.append((r.partition, r.offset, r.code, why))
+        refused.sort()
+        for partition, offset, code, why in refused[:20]:
+            print(f"refused p{partition}:{offset} ({_shown(code)}): {why}", file=out)
+        if len(refused) > 20:
+            print(f"refused {len(refused) - 20} more", file=out)
+        # Cut short, a later dead letter of a selected input may lie beyond: sending the one
+        # at hand would redrive that input once more. Nothing is sent then.
+        send = complete and producer is not None
+        if not send:
+            for r in selected[:20]:
+                print(f"would redrive p{r.partition}:{r.offset} ({_shown(r.code)})", file=out)
+        elif selected:
+            await _publish(producer, config, selected)
+        verb = "redriven" if send else "would redrive"
         print(
-            f"incomplete, nothing sent: stopped after --max-records {max_records} or "
-            f"{_IDLE_POLLS // 2} s without a record before the end of the topic; raise "
-            "--max-records (a later dead letter of an input may lie beyond)",
+            f"{verb} {len(selected)}, refused {len(refused)}, read {read} "
+            f"from {config.dlq_topic} to {config.input_topic}",
             file=out,
         )
-        return INCOMPLETE
-    return 0
+        if not complete:
+            print(
+                f"incomplete, nothing sent: stopped after --max-records {max_records} or "
+                f"{_IDLE_POLLS // 2} s without a record before the end of the topic; raise "
+                "--max-records (a later dead letter of an input may lie beyond)",
+                file=out,
+            )
+            return INCOMPLETE
+        return 0
+    finally:
+        if producer is not None:
+            with contextlib.suppress(Exception):
+                await producer.stop()
 
 
 def _shown(text: str, limit: int = 60) -> str:
@@ -404,9 +414,9 @@ def redrive_transactional_id(config: Config) -> str:
     return f"{config.effective_transactional_id_prefix}-dlq-redrive-{config.input_topic}"
 
 
-async def _publish(config: Config, records: Sequence[DlqRecord]) -> None:
-    """All of ``records`` in one transaction: on any failure none is visible to the
-    service (it reads read_committed), so the run can simply be repeated."""
+async def _transactional_producer(config: Config) -> Any:
+    """The tool's producer, started: InitProducerId under its own id fences an earlier
+    run and aborts that run's open transaction."""
     from aiokafka import AIOKafkaProducer
 
     producer = AIOKafkaProducer(
@@ -419,15 +429,17 @@ async def _publish(config: Config, records: Sequence[DlqRecord]) -> None:
         acks="all",
     )
     await producer.start()
-    try:
-        async with producer.transaction():
-            futures = [
-                await producer.send(
-                    config.input_topic, key=r.key, value=r.value, headers=redrive_headers(r)
-                )
-                for r in records
-            ]
-            await asyncio.gather(*futures)
-    finally:
-        with contextlib.suppress(Exception):
-            await producer.stop()
+    return producer
+
+
+async def _publish(producer: Any, config: Config, records: Sequence[DlqRecord]) -> None:
+    """All of ``records`` in one transaction: on any failure none is visible to the
+    service (it reads read_committed), so the run can simply be repeated."""
+    async with producer.transaction():
+        futures = [
+            await producer.send(
+                config.input_topic, key=r.key, value=r.value, headers=redrive_headers(r)
+            )
+            for r in records
+        ]
+        await asyncio.gather(*futures)

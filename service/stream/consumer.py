@@ -363,6 +363,9 @@ class StreamService:
         # Where aiokafka reset a partition's fetch to below what its ledger had received
         # (see _fetch_reset): the re-acquisition starts there, not at the committed offset.
         self._reset_to: dict[TopicPartition, int] = {}
+        # Per partition whose last stable offset lies behind its high watermark: that
+        # offset and since when it has not moved (see _update_unstable).
+        self._unstable: dict[TopicPartition, tuple[int, float]] = {}
         self._stopping = asyncio.Event()
         self._capacity = asyncio.Event()  # a backpressured partition has room again
         self._background: set[asyncio.Task[Any]] = set()
@@ -1137,6 +1140,7 @@ class StreamService:
         self._assigned -= set(revoked)
         for tp in revoked:  # the next owner finds the reset itself
             self._reset_to.pop(tp, None)
+            self._unstable.pop(tp, None)  # its series goes with the others (forget_partition)
         for tp in revoked:
             task = self._acquiring.pop(tp, None)
             if task is not None:
@@ -1519,10 +1523,34 @@ class StreamService:
         """Capped exponential: backoff, 2x, 4x, ... up to the configured maximum."""
         return backoff.exponential(attempt, self._s.retry_backoff_s, self._s.retry_backoff_max_s)
 
+    def _update_unstable(self, tp: TopicPartition) -> None:
+        """How long ``tp``'s last stable offset has stayed behind its high watermark.
+
+        A producer's open transaction holds every record after its first one back from
+        read_committed readers, this service included, and the lag, measured to the last
+        stable offset (what this consumer can reach), reads 0 meanwhile: nothing else
+        shows that events are waiting. A transaction open for long is a producer killed
+        mid-transaction (a `crs-consumer dlq redrive` killed while sending: up to its 15
+        minute transaction timeout) or one that hangs.
+        """
+        high = self._consumer.highwater(tp)
+        stable = self._consumer.last_stable_offset(tp)
+        gauge = self._metrics.stable_offset_stuck.labels(tp.topic, str(tp.partition))
+        if high is None or stable is None or stable >= high:
+            if self._unstable.pop(tp, None) is not None:
+                gauge.set(0)
+            return
+        now = self._clock()
+        held = self._unstable.get(tp)
+        if held is None or held[0] != stable:
+            self._unstable[tp] = held = (stable, now)
+        gauge.set(now - held[1])
+
     def _update_lag(self) -> None:
         # read_committed: the last stable offset is what this consumer can reach.
         self._read_unfetched_ends()
         for tp in list(self._assigned):
+            self._update_unstable(tp)
             position = self._committed.get(tp)
             end = self._consumer.last_stable_offset(tp)
             read = self._ends.get(tp)

@@ -192,6 +192,14 @@ class StreamMetrics:
             "tasks ended (group coordination, heartbeat, fetch, metadata)",
             registry=r,
         )
+        self.stable_offset_stuck = Gauge(
+            "crs_input_stable_offset_stuck_seconds",
+            "Seconds the input partition's last stable offset has stayed behind its high "
+            "watermark without moving: a producer's transaction open that long holds the "
+            "records behind it back from this read_committed consumer (lag reads 0)",
+            ["topic", "partition"],
+            registry=r,
+        )
         self.offset_resets = Counter(
             "crs_offset_resets",
             "Input partitions whose fetch Kafka reset below the committed offset (the log "
@@ -253,12 +261,12 @@ class StreamMetrics:
             self.dependency_up.labels(dep)
 
     def forget_partition(self, topic: str, partition: int) -> None:
-        for gauge in (self.lag, self.stalled, self.in_flight):
+        for gauge in (self.lag, self.stalled, self.in_flight, self.stable_offset_stuck):
             with contextlib.suppress(KeyError):
                 gauge.remove(topic, str(partition))
 
     def forget_partitions(self) -> None:
         """Every partition's series, and none assigned: the engine has closed."""
-        for gauge in (self.lag, self.stalled, self.in_flight):
+        for gauge in (self.lag, self.stalled, self.in_flight, self.stable_offset_stuck):
             gauge.clear()
         self.assigned.set(0)

@@ -261,3 +261,57 @@ async def test_a_redrive_that_fails_half_way_sends_nothing(
         with contextlib.suppress(Exception):
             await admin.delete_topics([small_input])
         await admin.close()
+
+
+async def test_a_killed_redrives_open_transaction_is_shown_and_ended_by_a_rerun(
+    devstack: DevStack, clean_k8s: Any, topics: dict[str, str]
+) -> None:
+    """A redrive killed while sending (SIGKILL, an evicted Job) leaves its transaction
+    open on the input for up to its 15-minute timeout: every event behind it waits, and
+    the lag, measured to the last stable offset, reads 0 (found by review). The service
+    shows how long the stable offset has been stuck (crs_input_stable_offset_stuck_seconds,
+    alert CrsInputTransactionOpen), and running the redrive again ends it: its
+    InitProducerId aborts the open transaction even when it has nothing to send."""
+    from aiokafka import AIOKafkaProducer
+
+    from service.app.dlq import redrive_transactional_id
+
+    await e2e.seed_region(clean_k8s)
+    boot = devstack.kafka_bootstrap
+    cfg = e2e.config(devstack, topics)
+    killed = AIOKafkaProducer(
+        bootstrap_servers=boot,
+        transactional_id=redrive_transactional_id(cfg),
+        transaction_timeout_ms=900_000,
+    )
+    await killed.start()
+    async with e2e.running(cfg) as runtime:
+        assert runtime.http is not None
+        await killed.begin_transaction()
+        vm, decision, request = e2e.outcome(None, ["hv-3"])
+        key, value, headers = e2e.good_record(vm, decision, request)
+        await (await killed.send(topics["input"], value, key=key, headers=headers))
+        # Killed: its connections gone, the transaction left open on the broker.
+        await killed.client.close()
+        await e2e.publish(boot, topics["input"], [e2e.good_record(*e2e.outcome(None, ["hv-3"]))])
+        series = (
+            "crs_input_stable_offset_stuck_seconds",
+            (("partition", "0"), ("topic", topics["input"])),
+        )
+        deadline = asyncio.get_running_loop().time() + 30
+        while (await e2e.metrics_at(runtime.http.port)).get(series, 0.0) < 3.0:
+            assert asyncio.get_running_loop().time() < deadline, "the open transaction not shown"
+            await asyncio.sleep(0.5)
+        assert not await e2e.read_all(boot, topics["output"], 1, timeout_s=1)
+        lag = ("crs_consumer_lag", (("partition", "0"), ("topic", topics["input"])))
+        assert (await e2e.metrics_at(runtime.http.port)).get(lag) == 0.0
+        # Nothing in the dead-letter topic: the rerun has nothing to send, and ends it.
+        out = await asyncio.to_thread(cli, cfg, "dlq", "redrive")
+        assert out.returncode == 0, (out.stdout, out.stderr)
+        assert "redriven 0," in out.stdout
+        # The aborted record is never read; the event behind it is, promptly.
+        assert len(await e2e.read_all(boot, topics["output"], 1, timeout_s=20)) == 1
+        deadline = asyncio.get_running_loop().time() + 20
+        while (await e2e.metrics_at(runtime.http.port)).get(series, 0.0) != 0.0:
+            assert asyncio.get_running_loop().time() < deadline, "still shown as stuck"
+            await asyncio.sleep(0.5)

@@ -1398,6 +1398,37 @@ async def test_lag_is_reported_from_assignment_on(broker: FakeBroker) -> None:
     await h.stop()
 
 
+async def test_a_transaction_held_open_on_the_input_is_shown_while_the_lag_reads_0(
+    broker: FakeBroker,
+) -> None:
+    # A producer killed mid-transaction (a dlq redrive): the records behind its first one
+    # are invisible to a read_committed consumer, and the lag, measured to the last stable
+    # offset, reads 0. How long that offset has not moved is what shows it.
+    h = Harness(broker)
+    broker.append(IN, 0, b"k", b"v0")
+    await h.start(TP0)
+    await until(lambda: outputs(broker) == [b"v0"])
+    h.consumer.open_transaction_at[TP0] = 1
+    broker.append(IN, 0, b"k", b"v1")  # the open transaction's record
+    broker.append(IN, 0, b"k", b"v2")  # a producer's record behind it
+
+    def stuck() -> float | None:
+        return h.metrics.registry.get_sample_value(
+            "crs_input_stable_offset_stuck_seconds", {"topic": IN, "partition": "0"}
+        )
+
+    await until(lambda: (stuck() or 0.0) > 0.2)
+    assert outputs(broker) == [b"v0"]
+    assert (
+        h.metrics.registry.get_sample_value("crs_consumer_lag", {"topic": IN, "partition": "0"})
+        == 0
+    )
+    del h.consumer.open_transaction_at[TP0]  # aborted (here: as if committed)
+    broker.append(IN, 0, b"k", b"v3")
+    await until(lambda: stuck() == 0.0 and len(outputs(broker)) == 4)
+    await h.stop()
+
+
 async def test_lag_keeps_growing_while_the_partition_is_left_out_by_backpressure(
     broker: FakeBroker,
 ) -> None:

@@ -3,8 +3,10 @@ redrive headers, the redrive count surviving a second dead-lettering, --version.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from service.app.check import file_problems
-from service.app.cli import main
+from service.app.cli import main, until_signalled
 from service.app.config import Config
 from service.app.dlq import DlqFilter, DlqRecord, parse_time, redrive_headers
 from service.stream.codec import InputRef
@@ -420,3 +422,24 @@ async def test_a_read_stopped_at_the_limit_with_only_a_marker_left_is_complete(
     assert len(seen) == 3
     monkeypatch.setattr(aiokafka, "AIOKafkaConsumer", lambda **kw: _MarkedDlqConsumer(records))
     assert await dlq.read_dlq(Config.load(env={}), max_records=2, visit=seen.append) == (2, False)
+
+
+async def test_sigterm_cancels_a_dlq_command_so_its_transaction_is_aborted() -> None:
+    # Python's default SIGTERM ends the process on the spot: a redrive so killed left its
+    # transaction open on the input (every event behind it held back from the service
+    # for up to 15 minutes). Cancelled instead, the transaction's context aborts it.
+
+    unwound: list[str] = []
+
+    async def redrive() -> int:
+        try:
+            await asyncio.sleep(10)
+        finally:
+            unwound.append("aborted")  # where aiokafka's transaction context aborts
+        return 0
+
+    asyncio.get_running_loop().call_later(0.05, os.kill, os.getpid(), signal.SIGTERM)
+    assert await until_signalled(redrive()) == 128 + signal.SIGTERM
+    assert unwound == ["aborted"]
+    # The handlers are gone again: the process's own signal handling is restored.
+    assert signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.default_int_handler)
