@@ -4,7 +4,8 @@ The behaviour is the reference recorder's (see SEMANTICS.md), with one deliberat
 difference: the slot write is a merge patch guarded by the resourceVersion the decision
 was made on. Two writers racing for the same slot cannot both win; the loser re-reads,
 re-checks idempotency and re-picks on fresh data, so no slot is overfilled and no VM
-lands in two slots.
+lands in two slots. A write whose answer was lost (it may still land) is settled by the
+event's retry before it decides anew (``Recorder._claim_slot``).
 
 The Recorder sees the cluster only through :class:`~service.crs.ports.ClusterState`; it
 imports no Kubernetes or Kafka client, so it runs unchanged on list reads, a watch cache
@@ -19,8 +20,9 @@ import random
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import Final, Protocol
 
 import structlog
 
@@ -39,12 +41,18 @@ from service.crs.outcome import AllocationStatus, Outcome, OutcomeKind
 from service.crs.ports import ClusterState, ConflictError, NotFoundError, Snapshot
 from service.model import Decision, ExternalSchedulerRequest, Knowledge, Reservation
 from service.quantity import format_binary_si, format_decimal_si
+from service.tasks import all_or_none
 
 __all__ = ["Recorder"]
 
 _log = structlog.get_logger(__name__)
 
 UNKNOWN_FLAVOR_GROUP = "unknown"
+
+# Writes of unknown outcome remembered at most (oldest forgotten first). An entry goes
+# when its event is retried here and settles; one whose event is never retried here (its
+# partition moved to another replica) would otherwise stay for the process's lifetime.
+_MAX_UNSETTLED: Final = 10_000
 
 
 class _Counter(Protocol):
@@ -92,6 +100,26 @@ class _FlavorGroupsMemo:
         return self._groups
 
 
+@dataclass(frozen=True, slots=True)
+class _UnsettledWrite:
+    """A slot write that ended without an answer (timed out, cancelled, connection lost).
+
+    The request may still be on its way to the API server and land later, on exactly
+    this ``resource_version`` of ``reservation``. Kept so the event's retry can make sure
+    the VM does not end up in this slot and a sibling (see ``Recorder._claim_slot``).
+    """
+
+    reservation: str
+    resource_version: str
+    allocation: dict[str, object]
+
+
+def _holds(slot: Reservation, instance_uuid: str) -> bool:
+    """Whether ``slot`` already holds an allocation for the VM."""
+    crr = slot.spec.committed_resource_reservation
+    return crr is not None and crr.allocations is not None and instance_uuid in crr.allocations
+
+
 class Recorder:
     """Classifies Nova scheduling outcomes against committed resources and records them.
 
@@ -137,9 +165,9 @@ class Recorder:
         self._random = random.Random()
         self._flavor_groups = _FlavorGroupsMemo()
         self._serialize = serialize_per_host
-        # Hosts onto which a write ended without an answer (timed out, cancelled): it
-        # may have landed, and a watch-cache snapshot may not show it yet.
-        self._unsettled_hosts: set[str] = set()
+        # Slot writes that ended without an answer, by (target host, instance UUID): the
+        # write may have landed unseen, or may still land (see _claim_slot).
+        self._unsettled: dict[tuple[str, str], _UnsettledWrite] = {}
         # Weak values: a host's lock lives only while a placement holds or awaits it.
         self._host_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = (
             weakref.WeakValueDictionary()
@@ -293,31 +321,63 @@ class Recorder:
         """Idempotency check, slot choice and guarded write, re-decided after a conflict.
 
         Returns (status, reservation name, number of conflicts met).
+
+        A write that ended without an answer may still land: the client gave up, but
+        the request can be in flight at the API server, and its guard (the
+        resourceVersion it was decided on) still holds there as long as that slot has
+        not changed. So when this VM's event comes back here after such a write, the
+        remembered slot is read fresh first: the VM is in it (already present); or it
+        is still at the remembered version, and the identical guarded PATCH is sent
+        again (of the original and the re-send only one can land, the other gets a 409,
+        and the next round finds the VM); or it has moved on without the VM, and then the
+        original can never land and the slot is chosen freely. Deciding freely at once
+        could pick a sibling slot and the original could still land: the VM in two.
+
+        The memory is this Recorder's, i.e. one replica's for its lifetime, and holds the
+        latest ``_MAX_UNSETTLED`` such writes: if the event is retried by another replica
+        (its partition moved), after a restart, or after its entry was evicted, while the
+        original is still in flight at the API server, that retry decides without it and
+        the VM can still end up in two slots. The window is how long the API server may
+        still apply a request its client gave up on (its own request timeout).
         """
+        key = (target, instance_uuid)
+        unsettled = self._unsettled.get(key)
         current = list(slots)
-        if target in self._unsettled_hosts:
-            # The last write onto this host may have landed unseen. Deciding on a snapshot
-            # that misses it could put this very VM (the event retried) into a sibling
-            # slot: the guard only covers the slot written. So decide on fresh reads.
-            current = await self._refresh(
-                current, None, target=target, project_id=project_id, flavor_group=flavor_group
-            )
-            self._unsettled_hosts.discard(target)
         conflicts = 0
         deadline = self._monotonic() + self._conflict_timeout_s
         while True:
+            chosen: Reservation | None = None  # set: re-send the unsettled write
+            body = allocation
+            if unsettled is not None:
+                fresh = await self._state.get_reservation(unsettled.reservation)
+                if fresh is not None and _holds(fresh, instance_uuid):
+                    log.info("allocation_already_present", reservation=fresh.name)
+                    self._unsettled.pop(key, None)
+                    return AllocationStatus.ALREADY_PRESENT, fresh.name, conflicts
+                if fresh is not None and fresh.metadata.resource_version == (
+                    unsettled.resource_version
+                ):
+                    chosen, body = fresh, unsettled.allocation
+                else:
+                    # Changed without the VM, or gone: the lost write can never land.
+                    self._unsettled.pop(key, None)
+                    unsettled = None
             for slot in current:
-                crr = slot.spec.committed_resource_reservation
-                if crr is not None and crr.allocations and instance_uuid in crr.allocations:
+                if _holds(slot, instance_uuid):
                     log.info("allocation_already_present", reservation=slot.name)
+                    self._unsettled.pop(key, None)
                     return AllocationStatus.ALREADY_PRESENT, slot.name, conflicts
-            name = pick_slot(current, vm_mem)
-            if not name:
-                log.info("no_slot_on_target_host", conflicts=conflicts)
-                return AllocationStatus.NO_SLOT, None, conflicts
-            chosen = next(s for s in current if s.name == name)
+            if chosen is None:
+                name = pick_slot(current, vm_mem)
+                if not name:
+                    log.info("no_slot_on_target_host", conflicts=conflicts)
+                    return AllocationStatus.NO_SLOT, None, conflicts
+                chosen = next(s for s in current if s.name == name)
+            else:
+                log.info("allocation_resent", reservation=chosen.name)
+            name = chosen.name
             try:
-                await self._state.patch_allocation(chosen, instance_uuid, allocation)
+                await self._state.patch_allocation(chosen, instance_uuid, body)
             except (ConflictError, NotFoundError) as exc:
                 conflicts += 1
                 gone = isinstance(exc, NotFoundError)
@@ -340,26 +400,37 @@ class Recorder:
                 )
                 continue
             except BaseException:
-                self._unsettled_hosts.add(target)  # no answer: it may have landed
+                # No answer: it may have landed, or may still land.
+                self._remember_unsettled(key, chosen, body)
                 raise
+            self._unsettled.pop(key, None)
             log.info("allocation_written", reservation=name, conflicts=conflicts)
             return AllocationStatus.WRITTEN, name, conflicts
+
+    def _remember_unsettled(
+        self, key: tuple[str, str], written: Reservation, allocation: dict[str, object]
+    ) -> None:
+        self._unsettled.pop(key, None)  # re-inserted last: eviction goes oldest first
+        self._unsettled[key] = _UnsettledWrite(
+            written.name, written.metadata.resource_version or "", allocation
+        )
+        if len(self._unsettled) > _MAX_UNSETTLED:
+            del self._unsettled[next(iter(self._unsettled))]
 
     async def _refresh(
         self,
         current: Sequence[Reservation],
-        name: str | None,
+        name: str,
         *,
         target: str,
         project_id: str,
         flavor_group: str,
     ) -> list[Reservation]:
-        """Fresh slots to re-decide on after a failed write to ``name`` (None: a write
-        whose outcome is unknown).
+        """Fresh slots to re-decide on after a failed write to ``name``.
 
-        The cheap path re-reads the candidates; if ``name`` (None: any of them) vanished,
-        stopped matching, or has nothing left, the host's whole slot list is re-read
-        (someone else may have written this VM elsewhere, or a new slot may have appeared).
+        The cheap path re-reads the candidates; if ``name`` vanished, stopped matching,
+        or has nothing left, the host's whole slot list is re-read (someone else may have
+        written this VM elsewhere, or a new slot may have appeared).
         """
 
         def matches(r: Reservation) -> bool:
@@ -373,12 +444,9 @@ class Recorder:
 
         # Every candidate is re-read, not only the one that conflicted: another writer may
         # have put this very VM into a sibling slot, and the idempotency check must see it.
-        fresh = await asyncio.gather(*(self._state.get_reservation(r.name) for r in current))
+        fresh = await all_or_none([self._state.get_reservation(r.name) for r in current])
         kept = [r for r in fresh if r is not None and matches(r)]
-        if name is None:
-            if len(kept) == len(current) and any(reservation_remaining_memory(r) > 0 for r in kept):
-                return kept
-        elif any(r.name == name and reservation_remaining_memory(r) > 0 for r in kept):
+        if any(r.name == name and reservation_remaining_memory(r) > 0 for r in kept):
             return kept
         on_host = await self._state.reservations_on_host(target)
         return [r for r in on_host if matches(r)]

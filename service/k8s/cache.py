@@ -19,6 +19,8 @@ Consistency and freshness:
   when the cache is known to be behind the server; they read fresh from the API (at
   least as new as anything the server returned before) and feed the result back into
   the cache. Simpler than waiting for the watch to reach an unknown resourceVersion.
+  Both GET by name (the host's names come from the cache): never a LIST of every
+  Reservation per lost race.
 * **Never answer from a partial cache.** Before the first LIST of every kind is applied,
   a request waits (bounded by ``sync_timeout_s``) and then raises
   :class:`~service.crs.ports.UnavailableError`; so does a request while a watch has been
@@ -60,6 +62,7 @@ from service.model import (
     Knowledge,
     Reservation,
 )
+from service.tasks import all_or_none
 
 __all__ = ["WatchClusterState"]
 
@@ -122,6 +125,9 @@ class WatchClusterState(ClusterState):
 
         self._indexes = ClusterIndexes()
         indexes = self._indexes
+        # Names of the cached CR Reservations by spec.targetHost, Ready or not: which
+        # objects reservations_on_host reads fresh.
+        self._names_by_host: dict[str, set[str]] = {}
 
         opts = InformerOptions(
             page_size=page_size,
@@ -138,7 +144,7 @@ class WatchClusterState(ClusterState):
             source,
             RESERVATIONS,
             Reservation,
-            on_change=indexes.on_reservation,
+            on_change=self._on_reservation,
             label_selector=CR_RESERVATION_SELECTOR,
             keep=_is_cr_reservation,
             options=opts,
@@ -167,6 +173,18 @@ class WatchClusterState(ClusterState):
             self.committed_resources,
             self.knowledges,
         )
+
+    def _on_reservation(self, old: Reservation | None, new: Reservation | None) -> None:
+        self._indexes.on_reservation(old, new)
+        by_host = self._names_by_host
+        if old is not None:
+            names = by_host.get(old.spec.target_host)
+            if names is not None:
+                names.discard(old.name)
+                if not names:
+                    del by_host[old.spec.target_host]
+        if new is not None:
+            by_host.setdefault(new.spec.target_host, set()).add(new.name)
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -258,16 +276,19 @@ class WatchClusterState(ClusterState):
         )
 
     async def reservations_on_host(self, host: str) -> Sequence[Reservation]:
-        """A fresh API read (only used after a conflict), also fed back into the cache."""
-        result = await self._client.list_objects(
-            RESERVATIONS, Reservation, label_selector=CR_RESERVATION_SELECTOR, limit=self._page_size
-        )
-        on_host = []
-        for r in result.items:
-            self.reservations.apply(r)
-            if r.spec.target_host == host:
-                on_host.append(r)
-        return on_host
+        """Fresh API reads (only used after a conflict), also fed back into the cache.
+
+        Every CR Reservation the cache holds on ``host`` is read with a GET, Ready or not
+        (one that just became Ready may not show as such here yet), in name order as a
+        LIST returns them. Not a LIST: it would read every CR Reservation of the cluster
+        (tens of thousands) for each lost race. The cost is one of freshness: a
+        Reservation created on or moved onto ``host`` that the watch has not delivered
+        yet is not read, so it is not chosen this time; the write guard is unaffected.
+        """
+        names = sorted(self._names_by_host.get(host, ()))
+        # Not gather: one failed read cancels the rest.
+        fresh = await all_or_none([self.get_reservation(n) for n in names])
+        return [r for r in fresh if r is not None and r.spec.target_host == host]
 
     async def get_reservation(self, name: str) -> Reservation | None:
         """A fresh API read (only used after a conflict), also fed back into the cache."""

@@ -1,14 +1,13 @@
 """:class:`~service.crs.ports.ClusterState` in list mode: every request reads the API.
 
 No cache, no watch: each :meth:`ListClusterState.snapshot` issues the four reads once,
-concurrently, and decides on what they returned. Simple and always fresh, at the cost of
-listing every Reservation per event; a watch-cache state can replace it behind the same
-protocol without the Recorder noticing.
+concurrently (one failing cancels the others), and decides on what they returned. Simple
+and always fresh, at the cost of listing every Reservation per event; a watch-cache
+state can replace it behind the same protocol without the Recorder noticing.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Collection, Sequence
 
 from service.crs.evaluator import SlotEvaluator
@@ -16,6 +15,7 @@ from service.crs.flavors import FLAVOR_GROUPS_KNOWLEDGE_NAME
 from service.crs.ports import ClusterState, Snapshot
 from service.k8s.client import KubeClient
 from service.model import Reservation
+from service.tasks import failing_as_one
 
 __all__ = ["ListClusterState"]
 
@@ -35,16 +35,18 @@ class ListClusterState(ClusterState):
         as None — the Recorder counts that as a lookup error; every other read failure
         propagates, so the caller retries instead of deciding on partial data.
         """
-        hypervisors, reservations, crs, knowledge = await asyncio.gather(
-            self._client.list_hypervisors(limit=self._page_size),
-            self._client.list_reservations(limit=self._page_size),
-            self._client.list_committed_resources(limit=self._page_size),
-            self._client.get_knowledge(FLAVOR_GROUPS_KNOWLEDGE_NAME),
-        )
+        # Not gather: when one read fails the others are cancelled instead of running on
+        # (a LIST of every Reservation, for an event that already failed).
+        client, limit = self._client, self._page_size
+        async with failing_as_one() as reads:
+            hypervisors = reads.create_task(client.list_hypervisors(limit=limit))
+            reservations = reads.create_task(client.list_reservations(limit=limit))
+            crs = reads.create_task(client.list_committed_resources(limit=limit))
+            knowledge = reads.create_task(client.get_knowledge(FLAVOR_GROUPS_KNOWLEDGE_NAME))
         return Snapshot(
-            evaluator=SlotEvaluator.from_objects(hypervisors, reservations),
-            committed_resources=crs,
-            knowledge=knowledge,
+            evaluator=SlotEvaluator.from_objects(hypervisors.result(), reservations.result()),
+            committed_resources=crs.result(),
+            knowledge=knowledge.result(),
         )
 
     async def reservations_on_host(self, host: str) -> Sequence[Reservation]:

@@ -64,6 +64,7 @@ class InMemoryClusterState(ClusterState):
     test act between the Recorder's read and its write; ``read_error`` makes every read
     fail with that error. ``calls`` counts port calls by name, ``patch_results`` the
     outcomes of ``patch_allocation`` (``"200"``, ``"409"``, ``"404"``).
+    ``resource_version`` is the cluster's latest (what a LIST would report).
     """
 
     def __init__(self) -> None:
@@ -74,6 +75,7 @@ class InMemoryClusterState(ClusterState):
         self.read_error: ApiError | None = None
         self.calls: Counter[str] = Counter()
         self.patch_results: Counter[str] = Counter()
+        self.resource_version = "0"
         self._patches = 0
 
     # --- set-up and other writers ---------------------------------------------------
@@ -103,6 +105,15 @@ class InMemoryClusterState(ClusterState):
         """A copy of the stored JSON, None when absent."""
         obj = self._objects.get((kind, name))
         return copy.deepcopy(obj) if obj is not None else None
+
+    def listed(self, kind: str, type_: type[Any], label_selector: str | None = None) -> list[Any]:
+        """Objects of ``kind`` decoded into ``type_``, in name order, as a LIST returns them;
+        ``label_selector`` is one ``key=value`` (the only form the service sends)."""
+        items = self._decoded(kind, type_)
+        if not label_selector:
+            return list(items)
+        key, _, value = label_selector.partition("=")
+        return [o for o in items if (o.metadata.labels or {}).get(key) == value]
 
     # --- ClusterState -----------------------------------------------------------------
 
@@ -164,7 +175,7 @@ class InMemoryClusterState(ClusterState):
     # --- internals ------------------------------------------------------------------
 
     def _bump(self, stored: dict[str, Any]) -> None:
-        stored["metadata"]["resourceVersion"] = str(next(self._revision))
+        self.resource_version = stored["metadata"]["resourceVersion"] = str(next(self._revision))
 
     def _get(self, kind: str, name: str) -> dict[str, Any]:
         obj = self._objects.get((kind, name))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Collection, Sequence
@@ -658,6 +659,163 @@ async def test_conflict_then_slot_filled_by_another_writer_is_no_slot(env: Env) 
     out = await place(env.recorder_on(gated))
     assert (out.allocation, out.reservation) == (AllocationStatus.NO_SLOT, None)
     assert set(allocations_of(await stored(env.api, "slot-a"))) == {"vm-x"}
+
+
+# --- a PATCH that reaches the server after its client gave up ------------------------------
+
+
+class HoldingProxy:
+    """A TCP proxy to the API server that can hold back one request until told.
+
+    TLS passes through untouched (the client still verifies the API server's certificate,
+    which covers 127.0.0.1 on any port). After :meth:`hold`, the bytes the client sends
+    within ``_REQUEST_WINDOW_S`` are kept, not forwarded, and anything after them (the
+    client closing the connection when it times out) is dropped: the connection to the
+    server stays open. :meth:`release` then forwards the kept bytes, so the server gets
+    the request whole, long after its client stopped waiting: a request still in flight
+    when its client timed out. ``answered`` is set when the server responds to it.
+    """
+
+    _REQUEST_WINDOW_S = 0.3  # well below the client's 1 s timeout
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self._upstream = upstream
+        self.connections = 0
+        self.held = bytearray()
+        self.answered = asyncio.Event()
+        self._holding = False
+        self._held_since: float | None = None
+        self._held_to: asyncio.StreamWriter | None = None
+        self._released = False
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: list[asyncio.StreamWriter] = []
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def __aenter__(self) -> HoldingProxy:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for writer in self._writers:
+            writer.close()
+        await self._server.wait_closed()
+
+    def hold(self) -> None:
+        self._holding = True
+
+    async def release(self) -> None:
+        assert self._held_to is not None, "nothing was held"
+        self._released = True
+        self._held_to.write(bytes(self.held))
+        await self._held_to.drain()
+
+    async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        server_r, server_w = await asyncio.open_connection(*self._upstream)
+        self._writers += [client_w, server_w]
+        for pipe in (self._to_server(client_r, server_w), self._to_client(server_r, client_w)):
+            task = asyncio.create_task(pipe)
+            self._tasks.add(task)
+
+    async def _to_server(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        while chunk := await reader.read(65536):
+            if not self._holding:
+                writer.write(chunk)
+                await writer.drain()
+                continue
+            if self._held_since is None:
+                self._held_since, self._held_to = loop.time(), writer
+            if writer is self._held_to and loop.time() - self._held_since < self._REQUEST_WINDOW_S:
+                self.held += chunk
+        # The client is gone; the server side stays open for the held request's answer.
+
+    async def _to_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while chunk := await reader.read(65536):
+            if self._released:
+                self.answered.set()
+            if not writer.is_closing():
+                writer.write(chunk)
+
+
+class FirstPatchVia(GatedState):
+    """Reads and later writes go to ``inner``; the first PATCH goes through ``first``,
+    right after ``before_first()`` is called."""
+
+    def __init__(self, inner: ClusterState, first: ClusterState, before_first: Any) -> None:
+        super().__init__(inner)
+        self.first = first
+        self.before_first = before_first
+
+    async def patch_allocation(
+        self, reservation: Reservation, instance_uuid: str, allocation: dict[str, object]
+    ) -> Reservation:
+        self.patches += 1
+        if self.patches > 1:
+            return await self.inner.patch_allocation(reservation, instance_uuid, allocation)
+        self.before_first()
+        return await self.first.patch_allocation(reservation, instance_uuid, allocation)
+
+
+async def test_a_patch_landing_after_its_retry_leaves_the_vm_in_one_slot(
+    env: Env, devstack: DevStack, tmp_path: Path
+) -> None:
+    """The first PATCH (into slot-b) reaches the API server only after its client timed
+    out and the event's retry has run; meanwhile another VM made slot-a as good a fit.
+    The retry must not write slot-a: the late PATCH, whose guard slot-b still satisfies,
+    would then land too. The VM ends up in exactly one slot."""
+    await seed(
+        env.api,
+        *standard_world(
+            f.reservation("slot-a", host=HOST, memory="16Gi"),
+            f.reservation("slot-b", host=HOST, memory="8Gi"),
+        ),
+    )
+    kubeconfig = Path(devstack.kubeconfig).read_text()
+    server = re.search(r"server: https://([^:\s]+):(\d+)", kubeconfig)
+    assert server is not None
+    async with HoldingProxy((server.group(1), int(server.group(2)))) as proxy:
+        proxied = tmp_path / "kubeconfig"
+        proxied.write_text(
+            kubeconfig.replace(server.group(0), f"server: https://127.0.0.1:{proxy.port}")
+        )
+        far = await KubeClient.create(str(proxied), request_timeout_s=1.0)
+        try:
+            assert await far.get_reservation("slot-b") is not None  # a warm connection
+            rec = env.recorder_on(FirstPatchVia(env.state, ListClusterState(far), proxy.hold))
+            with pytest.raises(UnavailableError, match="timed out"):
+                await place(rec, flavor="m1.xlarge")  # 8Gi, tightest fit: slot-b
+            assert proxy.connections == 1, "the PATCH did not go over the warm connection"
+            assert proxy.held, "nothing was held"
+            # Another VM takes 8Gi of slot-a: it now ties with the empty slot-b and wins
+            # the tie by name, so a decision that ignores the PATCH in flight picks it.
+            other = {"allocations": {"other-vm": f.allocation("8Gi")}}
+            await client.CustomObjectsApi(env.api).patch_cluster_custom_object(
+                *f.RES,
+                "slot-a",
+                {"spec": {"committedResourceReservation": other}},
+                _content_type="application/merge-patch+json",
+            )
+
+            out = await place(rec, flavor="m1.xlarge")  # the event, retried
+            await proxy.release()
+            await asyncio.wait_for(proxy.answered.wait(), 10)
+        finally:
+            await far.close()
+
+    holding = [n for n in ("slot-a", "slot-b") if UUID in allocations_of(await stored(env.api, n))]
+    assert holding == ["slot-b"], f"the VM is in {holding}"
+    assert (out.allocation, out.reservation) == (AllocationStatus.WRITTEN, "slot-b")
 
 
 async def test_knowledge_turning_ready_is_seen_by_the_next_event(env: Env) -> None:

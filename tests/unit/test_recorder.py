@@ -10,6 +10,7 @@ Recorder retried.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Collection, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -634,6 +635,141 @@ async def test_a_write_that_timed_out_is_found_by_the_retry_despite_a_lagging_ca
     out = await place(env.recorder)  # the event, retried
     assert (out.allocation, out.reservation) == (AllocationStatus.ALREADY_PRESENT, "slot-b")
     assert UUID not in env.allocations("slot-a")
+
+
+class LatePatch(InMemoryClusterState):
+    """A PATCH whose caller times out while the request is still on its way: with
+    ``hold_next`` set, the next ``patch_allocation`` raises UnavailableError without
+    applying anything; :meth:`land_held` applies it later, guard and all, as the API
+    server would when the request finally reaches it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold_next = False
+        self.held: tuple[Reservation, str, dict[str, object]] | None = None
+
+    async def patch_allocation(
+        self, reservation: Reservation, instance_uuid: str, allocation: dict[str, object]
+    ) -> Reservation:
+        if self.hold_next:
+            self.hold_next = False
+            self.held = (reservation, instance_uuid, allocation)
+            raise UnavailableError("patch reservations: timed out", status=None)
+        return await super().patch_allocation(reservation, instance_uuid, allocation)
+
+    async def land_held(self) -> Reservation:
+        assert self.held is not None, "no PATCH held"
+        held, self.held = self.held, None
+        return await super().patch_allocation(*held)
+
+
+def fill_slot_a_to_8gi_left(state: InMemoryClusterState) -> None:
+    """Another VM takes 8Gi of the 16Gi slot-a: it now ties with an empty 8Gi slot-b and
+    wins the tie by name, so a decision that misses this VM in slot-b picks slot-a."""
+    state.patch(
+        "Reservation",
+        "slot-a",
+        {
+            "spec": {
+                "committedResourceReservation": {"allocations": {"other-vm": f.allocation("8Gi")}}
+            }
+        },
+    )
+
+
+async def test_a_write_landing_after_its_retry_does_not_put_the_vm_in_two_slots() -> None:
+    # The PATCH into slot-b times out while still in flight; the retry's fresh reads show
+    # slot-b unchanged and slot-a as good a fit. Writing slot-a, then the original landing
+    # on slot-b (its guard still holds) would put the VM into both: the retry must send
+    # the same guarded PATCH to slot-b instead, so only one of the two can land.
+    env = Env()
+    env.state = state = LatePatch()
+    env.recorder = env.recorder_on(state)
+    env.seed(
+        *standard_world(
+            f.reservation("slot-a", host=HOST, memory="16Gi"),
+            f.reservation("slot-b", host=HOST, memory="8Gi"),
+        )
+    )
+    state.hold_next = True
+    with pytest.raises(UnavailableError):
+        await place(env.recorder, flavor="m1.xlarge")  # 8Gi, tightest fit: slot-b
+    assert state.held is not None
+    assert state.held[0].name == "slot-b"
+    fill_slot_a_to_8gi_left(state)
+
+    out = await place(env.recorder, flavor="m1.xlarge")  # the event, retried
+    with contextlib.suppress(ConflictError):
+        await state.land_held()  # the original reaches the API server only now
+
+    holding = [n for n in ("slot-a", "slot-b") if UUID in env.allocations(n)]
+    assert holding == ["slot-b"], f"the VM is in {holding}"
+    assert (out.allocation, out.reservation) == (AllocationStatus.WRITTEN, "slot-b")
+    assert state.patch_results == {"200": 1, "409": 1}  # the re-send won, the original lost
+
+
+async def test_an_unknown_write_is_not_settled_by_another_vms_placement() -> None:
+    # VM 1's PATCH into slot-b landed but answered too late, and the cache has not seen
+    # it. VM 2's placement onto the same host in between must not make VM 1's retry
+    # forget that its write may have landed: the retry would then decide on the lagging
+    # snapshot, pick slot-a and hold VM 1 twice.
+    env = Env()
+    env.state = state = LaggingCache()
+    env.recorder = env.recorder_on(state)
+    env.seed(
+        *standard_world(
+            f.reservation("slot-a", host=HOST, memory="16Gi"),
+            f.reservation("slot-b", host=HOST, memory="8Gi"),
+        )
+    )
+    before = await state.get_reservation("slot-b")
+    assert before is not None
+    state.land_then_time_out = True
+    with pytest.raises(UnavailableError):
+        await place(env.recorder)  # 4Gi, tightest fit: slot-b
+    state.frozen["slot-b"] = before  # the cache has not seen it
+    second = await place(env.recorder, uuid="vm-2")
+    assert second.allocation is AllocationStatus.WRITTEN
+    fill_slot_a_to_8gi_left(state)
+
+    out = await place(env.recorder)  # VM 1's event, retried
+    assert (out.allocation, out.reservation) == (AllocationStatus.ALREADY_PRESENT, "slot-b")
+    assert UUID not in env.allocations("slot-a")
+
+
+async def test_a_failed_re_read_cancels_the_others(env: Env) -> None:
+    """After a conflict the slots are re-read concurrently; when one read fails the
+    event fails, and the reads still running are cancelled rather than left behind."""
+    env.seed(
+        *standard_world(
+            f.reservation("slot-1", host=HOST, memory="8Gi"),
+            f.reservation("slot-2", host=HOST, memory="16Gi"),
+        )
+    )
+    failing = UnavailableError("connection reset", status=None)
+    cancelled = False
+
+    async def get_reservation(name: str) -> Reservation | None:
+        nonlocal cancelled
+        if name == "slot-1":
+            raise failing
+        try:
+            await asyncio.Event().wait()  # hangs until cancelled
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
+        raise AssertionError("unreachable")
+
+    async def conflict_then_break_reads(res: Reservation, n: int) -> None:
+        if n == 1:
+            env.state.patch("Reservation", res.name, {"metadata": {"labels": {"touched": "1"}}})
+            env.state.get_reservation = get_reservation  # type: ignore[method-assign]
+
+    env.state.before_patch = conflict_then_break_reads
+    with pytest.raises(UnavailableError) as raised:
+        await place(env.recorder)
+    assert raised.value is failing
+    assert cancelled, "the hanging re-read of slot-2 was left running"
 
 
 async def test_snapshot_failure_is_raised_not_swallowed(env: Env) -> None:
