@@ -266,6 +266,8 @@ class FakeConsumer:
         self.returned: list[tuple[float, int]] = []  # (when, records) of each getmany
         self._lso: dict[TopicPartition, int] = {}
         self._highwater: dict[TopicPartition, int] = {}
+        self._polled: dict[TopicPartition, float] = {}
+        self.poll_age_s = 0.0
         # A producer's transaction held open on a partition: the offset of its first
         # record, where the last stable offset stays while the log grows past it.
         self.open_transaction_at: dict[TopicPartition, int] = {}
@@ -331,6 +333,12 @@ class FakeConsumer:
     def highwater(self, tp: TopicPartition) -> int | None:
         return self._highwater.get(tp)
 
+    def last_poll_timestamp(self, tp: TopicPartition) -> int | None:
+        # Wall-clock ms of the last fetch answer, as aiokafka; poll_age_s ages it (a
+        # partition whose fetches stopped).
+        polled = self._polled.get(tp)
+        return None if polled is None else int((polled - self.poll_age_s) * 1000)
+
     def last_stable_offset(self, tp: TopicPartition) -> int | None:
         # As aiokafka: known from fetch responses only, so a partition that is not
         # fetched (paused, or left out of getmany) keeps the value of its last fetch.
@@ -358,6 +366,7 @@ class FakeConsumer:
             log = self.broker.logs.get(tp, [])
             self._lso[tp] = min(len(log), self.open_transaction_at.get(tp, len(log)))
             self._highwater[tp] = len(log)
+            self._polled[tp] = time.time()
             pos = self.positions.get(tp, 0)
             chunk = log[pos : min(pos + limit, self._lso[tp])]  # read_committed
             if chunk:

@@ -180,13 +180,15 @@ def _dlq_filter(args: argparse.Namespace) -> DlqFilter | None:
     return flt
 
 
-async def until_signalled(work: Coroutine[Any, Any, int]) -> int:
+async def until_signalled(work: Coroutine[Any, Any, int], *, note: str = "") -> int:
     """``work``'s exit code; SIGTERM or SIGHUP cancel it as Ctrl-C does, and exit 143/129.
 
     Python's default for those ends the process on the spot: a redrive killed so (a
     `kubectl delete` of its pod, a closed terminal) left its transaction open on the
     input, holding every event behind it back from the service for up to the
     transaction's timeout. Cancelled, the transaction's context aborts it on the way out.
+    A signal the process ignores (``nohup``) stays ignored. ``note``: said after the
+    signal's name when one stopped the work.
     """
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
@@ -197,7 +199,9 @@ async def until_signalled(work: Coroutine[Any, Any, int]) -> int:
         received.append(sig)
         task.cancel()
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    handled = [s for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) != signal.SIG_IGN]
+    previous = {s: signal.getsignal(s) for s in handled}
+    for sig in handled:
         loop.add_signal_handler(sig, cancel, sig)
     try:
         return await work
@@ -205,15 +209,12 @@ async def until_signalled(work: Coroutine[Any, Any, int]) -> int:
         if not received:
             raise
         task.uncancel()
-        print(
-            f"crs-consumer dlq: stopped by {received[0].name}; what this run had not "
-            "committed was aborted (run it again to finish)",
-            file=sys.stderr,
-        )
+        print(f"crs-consumer dlq: stopped by {received[0].name}{note}", file=sys.stderr)
         return 128 + received[0].value
     finally:
-        for sig in (signal.SIGTERM, signal.SIGHUP):
+        for sig in handled:
             loop.remove_signal_handler(sig)
+            signal.signal(sig, previous[sig])
 
 
 def _run_dlq(args: argparse.Namespace, config: Config, flt: DlqFilter) -> int:
@@ -234,7 +235,14 @@ def _run_dlq(args: argparse.Namespace, config: Config, flt: DlqFilter) -> int:
                     max_records=args.max_records,
                     max_redrives=args.max_redrives,
                     dry_run=args.dry_run,
-                )
+                ),
+                # The summary line is printed once the transaction has committed.
+                note=""
+                if args.dry_run
+                else (
+                    "; without a 'redriven' line above nothing was sent (its transaction "
+                    "was aborted)"
+                ),
             )
         )
     except Exception as exc:  # one line, not a traceback: the cause is in the text

@@ -428,7 +428,14 @@ async def _transactional_producer(config: Config) -> Any:
         enable_idempotence=True,
         acks="all",
     )
-    await producer.start()
+    try:
+        await producer.start()
+    except BaseException:
+        # Half-started (the broker unreachable, a signal during InitProducerId): its
+        # connections are closed here, not left to the garbage collector's warning.
+        with contextlib.suppress(Exception):
+            await producer.stop()
+        raise
     return producer
 
 

@@ -1297,6 +1297,9 @@ class StreamService:
             log.warning("partition_acquired_twice", topic=tp.topic, partition=tp.partition)
             await self._drop(old)
         consumer.seek(tp, start if start is not None else 0)
+        # At 0 from the take-over on: increase() misses a series that appears at 1, and
+        # CrsOffsetReset would then miss a partition's first reset (usually its only one).
+        self._metrics.offset_resets.labels(tp.topic, str(tp.partition))
         part = _Partition(tp, producer, Ledger(start, metadata))
         part.committer = asyncio.create_task(self._commit_loop(part))
         part.committer.add_done_callback(functools.partial(self._part_task_done, part, "committer"))
@@ -1535,16 +1538,22 @@ class StreamService:
         """
         high = self._consumer.highwater(tp)
         stable = self._consumer.last_stable_offset(tp)
-        gauge = self._metrics.stable_offset_stuck.labels(tp.topic, str(tp.partition))
-        if high is None or stable is None or stable >= high:
+        # aiokafka learns both from fetch answers only: a partition not fetched (left
+        # out by backpressure, its fetch failing) keeps those of its last fetch, which
+        # may have seen a transaction that has ended since. Not known is not stuck; a
+        # partition held by a transaction has nothing to read and is fetched all along.
+        polled = self._consumer.last_poll_timestamp(tp)
+        known = polled is not None and time.time() * 1000 - polled < _FRESH_FETCH_MS
+        gauge = self._metrics.stable_offset_stuck
+        if high is None or stable is None or stable >= high or not known:
             if self._unstable.pop(tp, None) is not None:
-                gauge.set(0)
+                gauge.labels(tp.topic, str(tp.partition)).set(0)
             return
         now = self._clock()
         held = self._unstable.get(tp)
         if held is None or held[0] != stable:
             self._unstable[tp] = held = (stable, now)
-        gauge.set(now - held[1])
+        gauge.labels(tp.topic, str(tp.partition)).set(now - held[1])
 
     def _update_lag(self) -> None:
         # read_committed: the last stable offset is what this consumer can reach.
@@ -1687,6 +1696,10 @@ def _background_ended(consumer: Any, *, fetch_raised: bool) -> tuple[str, BaseEx
             if error is not None:
                 return which, error
     return None
+
+
+# A fetch answer older than this: the partition is not being fetched (see _update_unstable).
+_FRESH_FETCH_MS = 10_000
 
 
 def _fetch_position(consumer: Any, tp: TopicPartition) -> int | None:

@@ -61,7 +61,7 @@ async def test_an_http_address_not_on_this_host_exits_at_once_as_configuration(
     with e2e.spawned(cfg, str(log)) as proc:
         code = await asyncio.to_thread(proc.wait, 60)
     text = log.read_text()
-    assert code == 1, text[-2000:]
+    assert code == 2, text[-2000:]  # a configuration error, as documented
     assert "startup_failed" in text
     assert "CRS_HTTP_HOST='192.0.2.1'" in text
     assert "startup_retrying" not in text

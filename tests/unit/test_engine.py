@@ -1429,6 +1429,51 @@ async def test_a_transaction_held_open_on_the_input_is_shown_while_the_lag_reads
     await h.stop()
 
 
+async def test_a_partition_not_fetched_is_not_shown_as_held_by_a_transaction(
+    broker: FakeBroker,
+) -> None:
+    # aiokafka learns the high watermark and the last stable offset from fetch answers
+    # only: a partition left out by backpressure (records stuck on the Kubernetes API)
+    # keeps those of its last fetch, which saw a transaction that has since ended. Its
+    # gauge climbed for as long as the outage lasted (CrsInputTransactionOpen firing).
+    h = Harness(broker, max_in_flight=2, poll_keepalive_s=600.0)
+    gate = asyncio.Event()
+    for i in range(2):
+        h.processor.gates[b"v%d" % i] = gate
+        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    await h.service.start()
+    h.consumer.open_transaction_at[TP0] = 2
+    broker.append(IN, 0, b"t", b"t2")  # the open transaction's record
+    await h.consumer.assign([TP0])
+    h.task = asyncio.create_task(h.service.run())
+    await until(lambda: TP0 in h.service._parts and h.service._parts[TP0].backpressured)
+    del h.consumer.open_transaction_at[TP0]  # it commits; the partition is not fetched
+    h.consumer.poll_age_s = 60.0  # the last fetch answer: a minute ago
+    await asyncio.sleep(0.2)
+    assert h.metrics.registry.get_sample_value(
+        "crs_input_stable_offset_stuck_seconds", {"topic": IN, "partition": "0"}
+    ) in (None, 0.0)
+    h.consumer.poll_age_s = 0.0
+    gate.set()
+    await until(lambda: len(outputs(broker)) == 3)
+    await h.stop()
+
+
+async def test_the_offset_reset_series_exists_from_take_over(broker: FakeBroker) -> None:
+    # increase() over a counter whose series appears at 1 is 0: CrsOffsetReset would miss
+    # a partition's first reset, usually its only one.
+    h = Harness(broker)
+    await h.start(TP0)
+    await h.part()
+    assert (
+        h.metrics.registry.get_sample_value(
+            "crs_offset_resets_total", {"topic": IN, "partition": "0"}
+        )
+        == 0.0
+    )
+    await h.stop()
+
+
 async def test_lag_keeps_growing_while_the_partition_is_left_out_by_backpressure(
     broker: FakeBroker,
 ) -> None:

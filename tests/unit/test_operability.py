@@ -443,3 +443,51 @@ async def test_sigterm_cancels_a_dlq_command_so_its_transaction_is_aborted() -> 
     assert unwound == ["aborted"]
     # The handlers are gone again: the process's own signal handling is restored.
     assert signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.default_int_handler)
+
+
+async def test_an_ignored_sighup_stays_ignored_under_a_dlq_command() -> None:
+    # `nohup crs-consumer dlq redrive ... &` then logging out: the SIGHUP nohup ignores
+    # must not abort the run, and the process's handler is the same afterwards.
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+
+        async def redrive() -> int:
+            await asyncio.sleep(0.2)
+            return 0
+
+        asyncio.get_running_loop().call_later(0.05, os.kill, os.getpid(), signal.SIGHUP)
+        assert await until_signalled(redrive()) == 0
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+async def test_a_redrive_producer_that_fails_to_start_is_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every non-dry run starts its producer now (to end a killed run's transaction): one
+    # that failed to start (the broker unreachable) was left to the garbage collector,
+    # with its connections, and an "Unclosed AIOKafkaProducer" error after the FAILED line.
+    import aiokafka
+
+    from service.app import dlq
+
+    calls: list[str] = []
+
+    class Unreachable:
+        def __init__(self, **kw: object) -> None:
+            pass
+
+        async def start(self) -> None:
+            calls.append("start")
+            raise aiokafka.errors.KafkaConnectionError("unreachable")
+
+        async def stop(self) -> None:
+            calls.append("stop")
+
+    monkeypatch.setattr(aiokafka, "AIOKafkaProducer", Unreachable)
+    with pytest.raises(aiokafka.errors.KafkaConnectionError):
+        await dlq.redrive(
+            Config.load(env={}), flt=DlqFilter(), max_records=10, max_redrives=3, dry_run=False
+        )
+    assert calls == ["start", "stop"]
