@@ -53,6 +53,9 @@ UNKNOWN_FLAVOR_GROUP = "unknown"
 # when its event is retried here and settles; one whose event is never retried here (its
 # partition moved to another replica) would otherwise stay for the process's lifetime.
 _MAX_UNSETTLED: Final = 10_000
+# How long a request its client gave up on may still be applied: the API server's own
+# request timeout (kube-apiserver --request-timeout, 60 s by default), with a margin.
+_UNSETTLED_FOR_S: Final = 300.0
 
 
 class _Counter(Protocol):
@@ -112,6 +115,7 @@ class _UnsettledWrite:
     reservation: str
     resource_version: str
     allocation: dict[str, object]
+    at: float  # monotonic: when the write was sent
 
 
 def _holds(slot: Reservation, instance_uuid: str) -> bool:
@@ -342,6 +346,11 @@ class Recorder:
         """
         key = (target, instance_uuid)
         unsettled = self._unsettled.get(key)
+        if unsettled is not None and self._monotonic() - unsettled.at > _UNSETTLED_FOR_S:
+            # It can no longer land; kept, it would re-send its body for a later event of
+            # the VM (a resize on the same host: another flavor group, another size).
+            del self._unsettled[key]
+            unsettled = None
         current = list(slots)
         conflicts = 0
         deadline = self._monotonic() + self._conflict_timeout_s
@@ -412,7 +421,7 @@ class Recorder:
     ) -> None:
         self._unsettled.pop(key, None)  # re-inserted last: eviction goes oldest first
         self._unsettled[key] = _UnsettledWrite(
-            written.name, written.metadata.resource_version or "", allocation
+            written.name, written.metadata.resource_version or "", allocation, self._monotonic()
         )
         if len(self._unsettled) > _MAX_UNSETTLED:
             del self._unsettled[next(iter(self._unsettled))]

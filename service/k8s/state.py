@@ -8,6 +8,7 @@ state can replace it behind the same protocol without the Recorder noticing.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Collection, Sequence
 
 from service.crs.evaluator import SlotEvaluator
@@ -15,7 +16,7 @@ from service.crs.flavors import FLAVOR_GROUPS_KNOWLEDGE_NAME
 from service.crs.ports import ClusterState, Snapshot
 from service.k8s.client import KubeClient
 from service.model import Reservation
-from service.tasks import failing_as_one
+from service.tasks import wait_all_or_none
 
 __all__ = ["ListClusterState"]
 
@@ -38,11 +39,11 @@ class ListClusterState(ClusterState):
         # Not gather: when one read fails the others are cancelled instead of running on
         # (a LIST of every Reservation, for an event that already failed).
         client, limit = self._client, self._page_size
-        async with failing_as_one() as reads:
-            hypervisors = reads.create_task(client.list_hypervisors(limit=limit))
-            reservations = reads.create_task(client.list_reservations(limit=limit))
-            crs = reads.create_task(client.list_committed_resources(limit=limit))
-            knowledge = reads.create_task(client.get_knowledge(FLAVOR_GROUPS_KNOWLEDGE_NAME))
+        hypervisors = asyncio.ensure_future(client.list_hypervisors(limit=limit))
+        reservations = asyncio.ensure_future(client.list_reservations(limit=limit))
+        crs = asyncio.ensure_future(client.list_committed_resources(limit=limit))
+        knowledge = asyncio.ensure_future(client.get_knowledge(FLAVOR_GROUPS_KNOWLEDGE_NAME))
+        await wait_all_or_none([hypervisors, reservations, crs, knowledge])
         return Snapshot(
             evaluator=SlotEvaluator.from_objects(hypervisors.result(), reservations.result()),
             committed_resources=crs.result(),

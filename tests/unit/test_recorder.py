@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Collection, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -799,3 +799,31 @@ async def test_fake_rejects_a_stale_patch_and_bumps_the_resource_version(env: En
     with pytest.raises(NotFoundError, match="not found") as gone:
         await env.state.patch_allocation(written, "vm-2", f.allocation("1Gi"))
     assert gone.value.status == 404
+
+
+async def test_a_lost_write_is_forgotten_once_it_can_no_longer_land() -> None:
+    # Its entry outlived the event (dead-lettered, the PATCH dropped): days later the VM,
+    # resized on the same host into another flavor group, got the old group's slot and
+    # the old flavor's body re-sent, reported as written for the new group (review).
+    t0 = datetime(2026, 12, 2, 10, 0, 0, tzinfo=UTC)
+    env = Env()
+    env.state = state = LatePatch()
+    now, ticks = [t0], [0.0]
+    rec = Recorder(state, clock=lambda: now[0], monotonic=lambda: ticks[0])
+    env.seed(
+        *standard_world(
+            f.reservation("slot-b", host=HOST, memory="8Gi"),
+            f.reservation("slot-g2", host=HOST, group="g2", memory="8Gi"),
+            f.committed_resource("cr-2", group="g2", amount="64Gi"),
+        )
+    )
+    state.hold_next = True
+    with pytest.raises(UnavailableError):
+        await place(rec, flavor="m1.large")  # into slot-b; the answer lost
+    state.held = None  # the API server dropped it
+    now[0] = t0 + timedelta(days=3)
+    ticks[0] += 3 * 86400.0
+    out = await place(rec, flavor="other.small")
+    assert out.flavor_group == "g2"
+    assert UUID not in env.allocations("slot-b")
+    assert UUID in env.allocations("slot-g2")

@@ -1,0 +1,80 @@
+"""service.tasks: concurrent reads that fail as one, and cancellation (Python 3.11)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from service.crs.ports import UnavailableError
+from service.tasks import all_or_none
+
+
+async def fail() -> None:
+    await asyncio.sleep(0)
+    raise UnavailableError("timed out", status=None)
+
+
+async def test_a_failed_read_cancels_the_others_and_is_raised_as_itself() -> None:
+    cancelled = asyncio.Event()
+
+    async def hang() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cancelled.set()
+
+    with pytest.raises(UnavailableError):
+        await all_or_none([fail(), hang()])
+    assert cancelled.is_set()
+
+
+async def test_a_failed_read_leaves_no_cancel_request_on_the_caller() -> None:
+    # A TaskGroup cancels its parent task when a child fails; on 3.11 a body that never
+    # awaits leaves that request behind: the stream engine's worker then took every later
+    # stray CancelledError for a cancel of its own (review).
+    async def hang() -> None:
+        await asyncio.Event().wait()
+
+    async def worker() -> int:
+        with pytest.raises(UnavailableError):
+            await all_or_none([fail(), hang()])
+        task = asyncio.current_task()
+        assert task is not None
+        return task.cancelling()
+
+    assert await asyncio.create_task(worker()) == 0
+
+
+async def test_a_cancel_while_the_others_are_being_cancelled_is_not_lost() -> None:
+    # A revoke or a stop cancels the worker while a failed read's siblings are still
+    # ending: the cancel must win, not become the read's error (a retry loop of minutes,
+    # and a release waiting for the worker meanwhile).
+    failed = asyncio.Event()
+
+    async def failing() -> None:
+        await asyncio.sleep(0)
+        failed.set()
+        raise UnavailableError("timed out", status=None)
+
+    async def slow_to_cancel() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.05)  # a connection's clean-up
+            raise
+
+    task = asyncio.create_task(all_or_none([failing(), slow_to_cancel()]))
+    await failed.wait()
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_results_come_in_order() -> None:
+    async def value(n: int, delay: float) -> int:
+        await asyncio.sleep(delay)
+        return n
+
+    assert await all_or_none([value(1, 0.02), value(2, 0.0), value(3, 0.01)]) == [1, 2, 3]
