@@ -848,7 +848,10 @@ def test_deployment_environment() -> None:
 
     shutdown_s = int(configmap_data()["CRS_SHUTDOWN_TIMEOUT_S"])
     pod = deploy_manifest("deployment.yaml")["spec"]["template"]["spec"]
-    assert pod["terminationGracePeriodSeconds"] > shutdown_s
+    # After the budget cancels the shutdown, close() still takes bounded steps of 5 s
+    # each (producers, LeaveGroup, the consumer's client, revoked producers, the shared
+    # producer): with the broker in trouble about 25 s that the kubelet must also wait.
+    assert pod["terminationGracePeriodSeconds"] >= shutdown_s + 25
 
 
 def test_configmap_keys_are_documented_and_not_secret() -> None:
