@@ -113,6 +113,15 @@ class Harness:
         self.producers.append(producer)
         return producer
 
+    def gated_records(self, n: int) -> asyncio.Event:
+        """``n`` records on partition 0 (keys k0.., values v0..), each processed only once
+        the returned gate is set (records stuck on the Kubernetes API)."""
+        gate = asyncio.Event()
+        for i in range(n):
+            self.processor.gates[b"v%d" % i] = gate
+            self.broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+        return gate
+
     @property
     def consumer(self) -> FakeConsumer:
         return self.service._consumer  # type: ignore[no-any-return]
@@ -396,10 +405,7 @@ async def test_backpressure_stops_asking_for_the_partition_without_pausing_it(
     # Not consumer.pause(): aiokafka drops a paused partition's fetched records and
     # fetches them again on resume.
     h = Harness(broker, max_in_flight=4, max_batch=2)
-    gate = asyncio.Event()
-    for i in range(10):
-        h.processor.gates[b"v%d" % i] = gate
-        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    gate = h.gated_records(10)
     await h.start(TP0)
     await until(lambda: h.service._parts[TP0].backpressured)
     asked = len(h.consumer.asked)
@@ -435,10 +441,7 @@ async def test_a_partition_full_for_long_is_still_asked_for_one_record_now_and_t
     # aiokafka makes a member leave the group when getmany() was not called for
     # max_poll_interval_ms; a full partition must not stop the calls for that long.
     h = Harness(broker, max_in_flight=4, max_batch=2, poll_keepalive_s=0.05)
-    gate = asyncio.Event()
-    for i in range(40):
-        h.processor.gates[b"v%d" % i] = gate
-        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    gate = h.gated_records(40)
     await h.start(TP0)
     await until(lambda: h.service._parts[TP0].backpressured)
     calls, started = len(h.consumer.asked), time.monotonic()
@@ -998,10 +1001,7 @@ async def test_no_transaction_begins_after_a_releases_last_commit(broker: FakeBr
 
 async def test_key_concurrency_is_bounded(broker: FakeBroker) -> None:
     h = Harness(broker, key_concurrency=3)
-    gate = asyncio.Event()
-    for i in range(8):
-        h.processor.gates[b"v%d" % i] = gate
-        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    gate = h.gated_records(8)
     await h.start(TP0)
     await until(lambda: h.processor.running == 3)
     await asyncio.sleep(0.05)
@@ -1437,10 +1437,7 @@ async def test_a_partition_not_fetched_is_not_shown_as_held_by_a_transaction(
     # keeps those of its last fetch, which saw a transaction that has since ended. Its
     # gauge climbed for as long as the outage lasted (CrsInputTransactionOpen firing).
     h = Harness(broker, max_in_flight=2, poll_keepalive_s=600.0)
-    gate = asyncio.Event()
-    for i in range(2):
-        h.processor.gates[b"v%d" % i] = gate
-        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    gate = h.gated_records(2)
     await h.service.start()
     h.consumer.open_transaction_at[TP0] = 2
     broker.append(IN, 0, b"t", b"t2")  # the open transaction's record

@@ -602,11 +602,9 @@ class LaggingCache(InMemoryClusterState):
         return written
 
 
-async def test_a_write_that_timed_out_is_found_by_the_retry_despite_a_lagging_cache() -> None:
-    # The PATCH into slot-b landed but answered too late; the retry's snapshot has not
-    # seen it, and another VM made slot-a as good a fit meanwhile. Deciding on that
-    # snapshot would write the VM into slot-a as well: after a write whose fate is
-    # unknown, the host's slots are read fresh before the next decision on it.
+async def landed_in_slot_b_unseen() -> tuple[Env, LaggingCache]:
+    """A placement's PATCH into slot-b (4Gi, the tightest fit next to a 16Gi slot-a)
+    landed but answered too late, and the cache has not seen it."""
     env = Env()
     env.state = state = LaggingCache()
     env.recorder = env.recorder_on(state)
@@ -620,9 +618,18 @@ async def test_a_write_that_timed_out_is_found_by_the_retry_despite_a_lagging_ca
     assert before is not None
     state.land_then_time_out = True
     with pytest.raises(UnavailableError):
-        await place(env.recorder)  # tightest fit: slot-b
+        await place(env.recorder)
     assert UUID in env.allocations("slot-b")
-    state.frozen["slot-b"] = before  # the cache has not seen it
+    state.frozen["slot-b"] = before
+    return env, state
+
+
+async def test_a_write_that_timed_out_is_found_by_the_retry_despite_a_lagging_cache() -> None:
+    # The PATCH into slot-b landed but answered too late; the retry's snapshot has not
+    # seen it, and another VM made slot-a as good a fit meanwhile. Deciding on that
+    # snapshot would write the VM into slot-a as well: after a write whose fate is
+    # unknown, the host's slots are read fresh before the next decision on it.
+    env, state = await landed_in_slot_b_unseen()
     state.patch(
         "Reservation",
         "slot-a",
@@ -713,21 +720,7 @@ async def test_an_unknown_write_is_not_settled_by_another_vms_placement() -> Non
     # it. VM 2's placement onto the same host in between must not make VM 1's retry
     # forget that its write may have landed: the retry would then decide on the lagging
     # snapshot, pick slot-a and hold VM 1 twice.
-    env = Env()
-    env.state = state = LaggingCache()
-    env.recorder = env.recorder_on(state)
-    env.seed(
-        *standard_world(
-            f.reservation("slot-a", host=HOST, memory="16Gi"),
-            f.reservation("slot-b", host=HOST, memory="8Gi"),
-        )
-    )
-    before = await state.get_reservation("slot-b")
-    assert before is not None
-    state.land_then_time_out = True
-    with pytest.raises(UnavailableError):
-        await place(env.recorder)  # 4Gi, tightest fit: slot-b
-    state.frozen["slot-b"] = before  # the cache has not seen it
+    env, state = await landed_in_slot_b_unseen()
     second = await place(env.recorder, uuid="vm-2")
     assert second.allocation is AllocationStatus.WRITTEN
     fill_slot_a_to_8gi_left(state)
