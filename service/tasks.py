@@ -26,6 +26,8 @@ T = TypeVar("T")
 async def wait_all_or_none(tasks: Sequence[asyncio.Future[Any]]) -> None:
     """Wait for every task; on the first failure cancel the others and raise it. Cancelled
     meanwhile, the tasks are cancelled too (and waited for) before the cancel goes on."""
+    if not tasks:  # asyncio.wait refuses an empty set (a host without a cached slot)
+        return
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     except BaseException:

@@ -142,6 +142,17 @@ class HangingLists:
         raise self.error
 
 
+async def test_watch_mode_a_host_without_cached_slots_reads_nothing(
+    watch_env: tuple[Env, FakeKube, WatchClusterState],
+) -> None:
+    env, kube, cache = watch_env
+    env.seed(f.reservation("elsewhere", host=OTHER))
+    await start(cache)
+    listed_at_sync = sum(kube.lists.values())
+    assert await cache.reservations_on_host(HOST) == []
+    assert sum(kube.lists.values()) == listed_at_sync
+
+
 async def test_list_mode_a_failed_read_cancels_the_others() -> None:
     client = HangingLists()
     state = ListClusterState(client)  # type: ignore[arg-type]

@@ -78,3 +78,10 @@ async def test_results_come_in_order() -> None:
         return n
 
     assert await all_or_none([value(1, 0.02), value(2, 0.0), value(3, 0.01)]) == [1, 2, 3]
+
+
+async def test_nothing_to_read_is_no_read_and_no_error() -> None:
+    # asyncio.wait refuses an empty set: a host without a cached slot (its only slot just
+    # deleted, the write answered 404) made the watch cache's fresh read raise ValueError,
+    # and the placement became an internal_error dead letter instead of no_slot.
+    assert await all_or_none([]) == []
