@@ -28,6 +28,7 @@ from service.crs import Recorder, new_no_host_found_counter, new_placement_count
 from service.crs.outcome import AllocationStatus, Outcome
 from service.crs.ports import ClusterState, Snapshot, UnavailableError
 from service.k8s import K8sMetrics, KubeClient, ListClusterState
+from service.k8s.cache import WatchClusterState
 from service.model import Reservation
 from service.quantity import parse_quantity
 from tests import factories as f
@@ -594,6 +595,36 @@ async def test_only_slot_deleted_between_read_and_patch_is_no_slot(env: Env) -> 
     gated.before_patch = delete
     out = await place(env.recorder_on(gated))
     assert (out.allocation, out.reservation, out.conflicts) == (AllocationStatus.NO_SLOT, None, 1)
+
+
+async def test_only_slot_deleted_is_no_slot_on_the_watch_cache_too(env: Env) -> None:
+    # The same in watch mode, once the watch has delivered the delete: the host has no
+    # cached slot left to read fresh. That empty read raised ValueError (asyncio.wait
+    # refuses an empty set) and the placement became an internal_error dead letter.
+    await seed(env.api, *standard_world(f.reservation("slot-a", host=HOST)))
+    cache = WatchClusterState(env.client)
+    await cache.start()
+    try:
+        assert await cache.wait_synced(10.0)
+        gated = GatedState(cache)
+        co = client.CustomObjectsApi(env.api)
+
+        async def delete(res: Reservation, n: int) -> None:
+            await co.delete_cluster_custom_object(*f.RES, res.name)
+            deadline = asyncio.get_running_loop().time() + 10
+            while cache.reservations.get(res.name) is not None:
+                assert asyncio.get_running_loop().time() < deadline, "delete not watched"
+                await asyncio.sleep(0.02)
+
+        gated.before_patch = delete
+        out = await place(env.recorder_on(gated))
+        assert (out.allocation, out.reservation, out.conflicts) == (
+            AllocationStatus.NO_SLOT,
+            None,
+            1,
+        )
+    finally:
+        await cache.stop()
 
 
 async def test_conflict_then_uuid_found_by_reread_is_already_present(env: Env) -> None:
