@@ -260,13 +260,19 @@ class StreamMetrics:
         for dep in DEPENDENCIES:
             self.dependency_up.labels(dep)
 
+    @property
+    def _per_partition(self) -> tuple[Gauge, ...]:
+        """The gauges with a series per assigned partition (one list: forgetting a
+        partition and forgetting them all must not drift apart)."""
+        return (self.lag, self.stalled, self.in_flight, self.stable_offset_stuck)
+
     def forget_partition(self, topic: str, partition: int) -> None:
-        for gauge in (self.lag, self.stalled, self.in_flight, self.stable_offset_stuck):
+        for gauge in self._per_partition:
             with contextlib.suppress(KeyError):
                 gauge.remove(topic, str(partition))
 
     def forget_partitions(self) -> None:
         """Every partition's series, and none assigned: the engine has closed."""
-        for gauge in (self.lag, self.stalled, self.in_flight, self.stable_offset_stuck):
+        for gauge in self._per_partition:
             gauge.clear()
         self.assigned.set(0)
