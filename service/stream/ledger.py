@@ -113,7 +113,10 @@ class Ledger(Generic[T]):
     def receive(self, offset: int) -> bool:
         """A record arrived. True: process it; False: skip (already done, or a repeat)."""
         if self._next is not None and offset < self._next:
-            return False  # delivered twice (a seek raced a fetch): the first one counts
+            # Already received. The engine never feeds one (a record below this offset
+            # means Kafka reset the fetch, and the partition is taken over again from
+            # there: StreamService._fetch_reset); the ledger keeps its own contract.
+            return False
         if self._low is None:
             self._low = offset
         self._next = offset + 1
