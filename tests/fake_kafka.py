@@ -20,6 +20,7 @@ from typing import Any
 from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError, ProducerFenced
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
+from service.stream.partitioner import partition_for_key
 from service.stream.unreadable import UnreadableRecord
 
 
@@ -54,6 +55,9 @@ class FakeBroker:
         self.offsets_delay_s = 0.0  # how long TxnOffsetCommit takes (a broker in trouble)
         self.commits = 0
         self.data = asyncio.Event()
+        # Topics whose metadata the producers know, with their partition counts (what
+        # the engine reads to add output partitions to a transaction ahead).
+        self.topic_partitions: dict[str, int] = {}
 
     def append(self, topic: str, partition: int, key: bytes | None, value: bytes) -> None:
         tp = TopicPartition(topic, partition)
@@ -89,6 +93,20 @@ class _FakeTxnManager:
     def producer_epoch(self) -> int:
         return self._producer.epoch
 
+    def maybe_add_partition_to_txn(self, tp: TopicPartition) -> None:
+        assert self._producer.in_transaction, "a partition added outside a transaction"
+        self._producer.calls.append("add")
+        self._producer.added.append(tp)
+
+
+class _FakeMetadata:
+    def __init__(self, broker: FakeBroker) -> None:
+        self._broker = broker
+
+    def partitions_for_topic(self, topic: str) -> set[int] | None:
+        n = self._broker.topic_partitions.get(topic)
+        return None if n is None else set(range(n))
+
 
 class FakeProducer:
     def __init__(self, broker: FakeBroker, **kwargs: Any) -> None:
@@ -103,6 +121,19 @@ class FakeProducer:
         # "begin" / "send" / "offsets" / "commit" / "abort", in the order they were made
         self.calls: list[str] = []
         self.in_transaction = False
+        self._metadata = _FakeMetadata(broker)
+        # Partitions added to the open transaction ahead of its records (see
+        # _FakeTxnManager), cleared when one begins.
+        self.added: list[TopicPartition] = []
+
+    def _partition(
+        self, topic: str, partition: int | None, key: bytes | None, value: Any, *_: Any
+    ) -> int:
+        """aiokafka's choice of partition: the service's partitioner on the metadata."""
+        found = self._metadata.partitions_for_topic(topic)
+        assert found is not None
+        assert partition is None
+        return partition_for_key(key, sorted(found), sorted(found))
 
     async def start(self) -> None:
         if self.txn_id is not None:
@@ -123,6 +154,7 @@ class FakeProducer:
         self.in_transaction = True
         self._pending = []
         self._offsets = {}
+        self.added = []
 
     async def commit_transaction(self) -> None:
         assert self.in_transaction, "no transaction to commit"

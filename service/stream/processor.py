@@ -380,6 +380,12 @@ class Processor:
     def dlq_topic(self) -> str:
         return self._dlq_topic
 
+    @property
+    def output_topic(self) -> str:
+        """Where classifications go, keyed by instance UUID (the engine adds the partition
+        of a waiting record's key to a transaction opened ahead)."""
+        return self._output_topic
+
     async def process(
         self,
         ref: InputRef,

@@ -5,7 +5,8 @@ wait on the Kubernetes API, and sends the offset again if it moved meanwhile; it
 on the broker keeping the *last* offset a transaction sent, and on an aborted
 transaction committing none. Both are checked here against Kafka itself, then the engine
 with records that wait (as a PATCH does) end to end: every output exactly once, the
-offsets committed, and the transactions it opened ahead were the ones that committed.
+offsets committed, the transactions it opened ahead were the ones that committed, and
+the output partitions had been added to them before the records were decided.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from aiokafka.structs import OffsetAndMetadata, TopicPartition
 from service.stream.codec import InputRef
 from service.stream.consumer import StreamService, StreamSettings
 from service.stream.metrics import StreamMetrics
+from service.stream.partitioner import partition_for_key
 from service.stream.processor import OutRecord
 from tests import e2e
 from tests.conftest import DevStack
@@ -58,17 +60,27 @@ async def test_the_broker_keeps_the_last_offset_of_a_transaction_and_none_of_an_
 
 
 class WaitingProcessor:
-    """Decides every record after ``wait_s`` (a PATCH's round trip, say)."""
+    """Decides every record after ``wait_s`` (a PATCH's round trip, say), noting whether
+    its output partition was in its input partition's open transaction by then."""
 
     dlq_topic = "unused-dlq"
 
     def __init__(self, out: str, wait_s: float) -> None:
         self.out, self.wait_s = out, wait_s
+        self.output_topic = out
+        self.service: StreamService | None = None
+        self.added_before_decided: list[bool] = []
 
     async def process(
         self, ref: InputRef, key: bytes | None, value: bytes | None, headers: Any, **_: Any
     ) -> OutRecord:
         await asyncio.sleep(self.wait_s)
+        assert self.service is not None
+        assert key is not None
+        part = self.service._parts[TopicPartition(ref.topic, ref.partition)]
+        txn = part.producer._txn_manager
+        out = TopicPartition(self.out, partition_for_key(key, [0, 1], [0, 1]))
+        self.added_before_decided.append(out in txn.txn_partitions)
         return OutRecord(topic=self.out, key=key, value=value, headers=[])
 
     def stub(self, *args: Any, **kwargs: Any) -> OutRecord:
@@ -88,7 +100,9 @@ async def test_records_that_wait_are_committed_in_transactions_opened_ahead(
         client_args={"bootstrap_servers": bootstrap},
         poll_timeout_ms=100,
     )
-    service = StreamService(settings, WaitingProcessor(out, 0.03), metrics)  # type: ignore[arg-type]
+    processor = WaitingProcessor(out, 0.03)
+    service = StreamService(settings, processor, metrics)  # type: ignore[arg-type]
+    processor.service = service
     await service.start()
     run = asyncio.create_task(service.run())
     publisher = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
@@ -112,3 +126,6 @@ async def test_records_that_wait_are_committed_in_transactions_opened_ahead(
     ahead = metrics.opened_ahead
     assert ahead.labels("committed")._value.get() >= len(sent) * 0.8  # the usual path
     assert ahead.labels("aborted")._value.get() == 0
+    # And the output partitions were added to those transactions before the decision
+    # (the first record of each partition: the producer knew no metadata of `out` yet).
+    assert sum(processor.added_before_decided) >= len(sent) * 0.8

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -45,6 +46,7 @@ TP1 = TopicPartition(IN, 1)
 class FakeProcessor:
     metrics: StreamMetrics
     dlq_topic: str = "dlq"
+    output_topic: str = "out"
     gates: dict[bytes, asyncio.Event] = field(default_factory=dict)
     retries: dict[bytes, int] = field(default_factory=dict)
     calls: list[tuple[int, int]] = field(default_factory=list)
@@ -1559,6 +1561,84 @@ async def test_a_partition_waiting_on_the_api_opens_its_transaction_ahead(
     assert broker.committed[("g", TP0)].offset == 1
     assert ahead_count(h, "committed") == 1
     await h.stop()
+
+
+def out_tp(key: bytes, partitions: int = 4) -> TopicPartition:
+    return TopicPartition("out", partition_for_key(key, range(partitions), range(partitions)))
+
+
+async def test_a_transaction_opened_ahead_adds_the_waiting_records_output_partitions(
+    broker: FakeBroker,
+) -> None:
+    # aiokafka would add the output partition when the output is sent: one round trip
+    # after the decision. Added ahead, only the output and the end remain after it.
+    broker.topic_partitions["out"] = 4
+    h = Harness(broker)
+    gates = {v: h.processor.gates.setdefault(v, asyncio.Event()) for v in (b"a0", b"b0")}
+    broker.append(IN, 0, b"key-a", b"a0")
+    broker.append(IN, 0, b"key-b", b"b0")
+    await h.start(TP0)
+    producer: FakeProducer = (await h.part()).producer
+    await until(lambda: producer.calls == ["begin", "add", "add", "offsets"])
+    assert sorted(producer.added) == sorted({out_tp(b"key-a"), out_tp(b"key-b")})
+    for gate in gates.values():
+        gate.set()
+    await until(lambda: sorted(outputs(broker)) == [b"a0", b"b0"])
+    assert producer.calls[4:] == ["send", "send", "commit"]
+    assert broker.committed[("g", TP0)].offset == 2
+    await h.stop()
+
+
+async def test_right_after_a_commit_the_group_is_added_before_the_partitions(
+    broker: FakeBroker,
+) -> None:
+    # The broker answers a transaction's first request CONCURRENT_TRANSACTIONS while it
+    # writes the previous one's markers; aiokafka retries the group sooner than a
+    # partition, so a transaction opened right after a commit sends its offset first.
+    broker.topic_partitions["out"] = 4
+    h = Harness(broker, commit_burst=5, fetch_linger_ms=0)
+    broker.append(IN, 0, b"k0", b"v0")
+    await h.start(TP0)
+    await until(lambda: outputs(broker) == [b"v0"])
+    producer: FakeProducer = (await h.part()).producer
+    h.processor.gates[b"v1"] = gate = asyncio.Event()
+    broker.append(IN, 0, b"k1", b"v1")
+    await until(lambda: producer.calls[-3:] == ["begin", "offsets", "add"])
+    assert producer.added == [out_tp(b"k1")]
+    gate.set()
+    await until(lambda: outputs(broker) == [b"v0", b"v1"])
+    await h.stop()
+
+
+async def test_no_output_partition_is_added_ahead_before_the_topic_is_known(
+    broker: FakeBroker,
+) -> None:
+    h, gate, producer = await one_waiting_record(broker)  # no metadata for "out" yet
+    assert producer.added == []
+    gate.set()
+    await until(lambda: outputs(broker) == [b"v0"])
+    await h.stop()
+
+
+async def test_aiokafka_still_has_what_adding_partitions_ahead_uses() -> None:
+    # No public API: if an upgrade renames these, nothing is added ahead any more and
+    # placements are committed one round trip later. This fails first.
+    from aiokafka import AIOKafkaProducer
+    from aiokafka.producer.sender import Sender
+    from aiokafka.producer.transaction_manager import TransactionManager
+
+    producer = AIOKafkaProducer(bootstrap_servers="127.0.0.1:1", transactional_id="x")
+    try:
+        assert isinstance(producer._txn_manager, TransactionManager)
+        assert callable(producer._txn_manager.maybe_add_partition_to_txn)
+        assert producer._metadata.partitions_for_topic("out") is None  # nothing known yet
+        producer._metadata._partitions["out"] = {p: SimpleNamespace(leader=0) for p in range(3)}
+        chosen = producer._partition("out", None, b"k", None, b"k", None)
+        assert chosen == partition_for_key(b"k", [0, 1, 2], [0, 1, 2])
+        # The sender adds pending partitions before the group, and mutes them until then.
+        assert "partitions_to_add" in Sender._maybe_do_transactional_request.__code__.co_names
+    finally:
+        await producer.stop()
 
 
 async def test_an_offset_that_moved_while_open_ahead_is_sent_again(broker: FakeBroker) -> None:
