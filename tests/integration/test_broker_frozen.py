@@ -29,9 +29,11 @@ their end-to-end counterparts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import subprocess
 import time
 from typing import Any
 
@@ -125,6 +127,60 @@ async def test_sigterm_with_the_broker_frozen_mid_commit_ends_in_budget_and_comm
     faults.check_exactly_once(outputs, dead, ends, w)
     await faults.check_allocations(clean_k8s, w)
     assert await faults.committed_offsets(boot, group, topics["input"]) == ends
+    assert codes["b"] == 0, f"exit codes {codes}\n{replicas.logs()}"
+
+
+# What the deployment's terminationGracePeriodSeconds adds to CRS_SHUTDOWN_TIMEOUT_S for
+# the clean-up after the budget (tests/unit/test_packaging.py requires it).
+GRACE_MARGIN_S = 25.0
+
+
+async def test_sigterm_with_the_broker_frozen_throughout_ends_within_the_grace_period(
+    devstack: DevStack,
+    clean_k8s: Any,
+    new_topic: Any,
+    replicas: faults.Replicas,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worst case of a stop: the broker never answers again while the replica stops.
+    Past the budget every close step (producers, LeaveGroup, the consumer) waits out its
+    own bound; the kubelet kills the pod at the grace period, so the process must have
+    ended by then, with nothing committed twice by the next owner."""
+    topics, w = await backlog_under_way(
+        devstack,
+        clean_k8s,
+        new_topic,
+        replicas,
+        monkeypatch,
+        23,
+        CRS_SHUTDOWN_TIMEOUT_S=str(SHUTDOWN_S),
+    )
+    boot = devstack.kafka_bootstrap
+    broker = int((devstack.run_dir / "kafka.pid").read_text())
+    a = replicas.procs["a"]
+    os.kill(broker, signal.SIGSTOP)
+    try:
+        a.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            await asyncio.to_thread(a.wait, SHUTDOWN_S + GRACE_MARGIN_S + 10)
+        took = time.monotonic() - signalled
+    finally:
+        os.kill(broker, signal.SIGCONT)
+    log = (replicas.log_dir / "a.log").read_text(errors="replace")
+    assert a.poll() is not None, f"still running {took:.1f} s after SIGTERM\n{log[-3000:]}"
+    assert "shutdown_abandoning_in_flight_work" in log, log[-3000:]  # the budget ran out
+    print(f"stopped {took:.1f} s after SIGTERM with the broker frozen (budget {SHUTDOWN_S} s)")
+    assert took <= SHUTDOWN_S + GRACE_MARGIN_S, f"stopped after {took:.1f} s\n{log[-3000:]}"
+    assert a.returncode == 0, f"exit code {a.returncode}\n{log[-3000:]}"
+    del replicas.procs["a"]
+
+    replicas.spawn("b", topics)
+    partitions = resilience.PARTITIONS
+    ends, outputs, dead = await faults.results(boot, topics, partitions, w, replicas, 120)
+    codes = replicas.stop_all()
+    faults.check_exactly_once(outputs, dead, ends, w)
+    await faults.check_allocations(clean_k8s, w)
     assert codes["b"] == 0, f"exit codes {codes}\n{replicas.logs()}"
 
 
