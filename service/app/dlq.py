@@ -55,6 +55,9 @@ _IDLE_POLLS = 20
 # the broker silent for _IDLE_POLLS polls): list's summary is partial, redrive sent nothing.
 INCOMPLETE = 3
 _TRANSACTION_TIMEOUT_MS = 900_000
+# How long a redrive stopped by a signal while committing waits for the commit's outcome
+# (a pod's default grace period is 30 s).
+_COMMIT_WAIT_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -365,14 +368,19 @@ async def redrive(
         if not send:
             for r in selected[:20]:
                 print(f"would redrive p{r.partition}:{r.offset} ({_shown(r.code)})", file=out)
-        elif selected:
-            await _publish(producer, config, selected)
+        interrupted = False
+        if send and selected:
+            interrupted = await _publish(producer, config, selected)
         verb = "redriven" if send else "would redrive"
         print(
             f"{verb} {len(selected)}, refused {len(refused)}, read {read} "
             f"from {config.dlq_topic} to {config.input_topic}",
             file=out,
         )
+        if interrupted:
+            # The signal that came during the commit, now that it is known to have landed
+            # (until_signalled reports it and exits 128 + its number).
+            raise asyncio.CancelledError
         if not complete:
             print(
                 f"incomplete, nothing sent: stopped after --max-records {max_records} or "
@@ -439,10 +447,20 @@ async def _transactional_producer(config: Config) -> Any:
     return producer
 
 
-async def _publish(producer: Any, config: Config, records: Sequence[DlqRecord]) -> None:
+class CommitOutcomeUnknown(Exception):
+    """A signal came while the redrive's commit was under way, and the broker did not
+    confirm it within :data:`_COMMIT_WAIT_S`."""
+
+
+async def _publish(producer: Any, config: Config, records: Sequence[DlqRecord]) -> bool:
     """All of ``records`` in one transaction: on any failure none is visible to the
-    service (it reads read_committed), so the run can simply be repeated."""
-    async with producer.transaction():
+    service (it reads read_committed), so the run can simply be repeated.
+
+    Returns whether a signal (a cancel) came while the commit was under way: the commit
+    was then seen through, and the records were sent.
+    """
+    await producer.begin_transaction()
+    try:
         futures = [
             await producer.send(
                 config.input_topic, key=r.key, value=r.value, headers=redrive_headers(r)
@@ -450,3 +468,31 @@ async def _publish(producer: Any, config: Config, records: Sequence[DlqRecord]) 
             for r in records
         ]
         await asyncio.gather(*futures)
+    except BaseException:
+        # Not committed (a failure, or a signal while sending): aborted, nothing visible.
+        with contextlib.suppress(Exception):
+            await producer.abort_transaction()
+        raise
+    # Once its EndTxn is on its way, a commit cannot be called back: aiokafka shields it
+    # from a cancel, and the producer's stop() afterwards may or may not cut it off. A
+    # signal now waits for the outcome instead, so that what the tool says is true: sent
+    # (the summary line is printed), or not known (the operator must look before running
+    # it again, which would send every record twice).
+    commit = asyncio.ensure_future(producer.commit_transaction())
+    try:
+        await asyncio.shield(commit)
+    except asyncio.CancelledError:
+        if commit.cancelled():
+            raise
+        try:
+            await asyncio.wait_for(asyncio.shield(commit), _COMMIT_WAIT_S)
+        except TimeoutError:
+            commit.add_done_callback(lambda t: t.cancelled() or t.exception())
+            raise CommitOutcomeUnknown(
+                f"stopped by a signal while committing, and the commit was not confirmed "
+                f"within {_COMMIT_WAIT_S:.0f} s: the {len(records)} records may or may not "
+                f"have been sent to {config.input_topic}; look for them (header "
+                f"{REDRIVE_HEADER}) before running redrive again"
+            ) from None
+        return True
+    return False

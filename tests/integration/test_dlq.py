@@ -315,3 +315,45 @@ async def test_a_killed_redrives_open_transaction_is_shown_and_ended_by_a_rerun(
         while (await e2e.metrics_at(runtime.http.port)).get(series, 0.0) != 0.0:
             assert asyncio.get_running_loop().time() < deadline, "still shown as stuck"
             await asyncio.sleep(0.5)
+
+
+# `crs-consumer dlq redrive` with SIGTERM sent to itself once its commit is on its way.
+_SIGNAL_WHILE_COMMITTING = """
+import asyncio, os, signal, sys
+from aiokafka import AIOKafkaProducer
+original = AIOKafkaProducer.commit_transaction
+async def commit(self):
+    asyncio.get_running_loop().call_soon(os.kill, os.getpid(), signal.SIGTERM)
+    await original(self)
+AIOKafkaProducer.commit_transaction = commit
+from service.app.cli import main
+sys.exit(main(["dlq", "redrive"]))
+"""
+
+
+async def test_a_redrive_signalled_while_committing_says_that_it_sent(
+    devstack: DevStack, topics: dict[str, str]
+) -> None:
+    """A SIGTERM (a pod deleted, a terminal closed) that came while the commit was on its
+    way: aiokafka goes on with the EndTxn under a shield, and the tool said "nothing was
+    sent (its transaction was aborted)" while the broker committed the copies; a rerun
+    sent them twice (found by review). Now the tool waits for the commit and says so."""
+    import signal
+
+    headers = [("crs.error", b"retries_exhausted"), ("crs.reason", b"timed out")]
+    await e2e.publish(devstack.kafka_bootstrap, topics["dlq"], [(b"vm-1", b"{}", headers)])
+    cfg = e2e.config(devstack, topics)
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", _SIGNAL_WHILE_COMMITTING],
+        cwd=REPO,
+        env={**os.environ, **cfg.to_env()},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 128 + signal.SIGTERM, (out.stdout, out.stderr)
+    assert "redriven 1, refused 0" in out.stdout, (out.stdout, out.stderr)
+    sent = await e2e.read_all(devstack.kafka_bootstrap, topics["input"], 1, timeout_s=10)
+    assert [r.key for r in sent] == [b"vm-1"]
