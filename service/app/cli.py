@@ -118,7 +118,8 @@ def _add_operability(parser: argparse.ArgumentParser, sub: Any) -> None:
         description=text,
         epilog="exit codes: 0 done; 1 failed (redrive: nothing sent, unless the commit's outcome "
         "was unknown); 2 invalid command line or configuration; 3 stopped before the end of "
-        "the dead-letter topic (list: a partial summary; redrive: nothing sent)",
+        "the dead-letter topic or more than --max-send-bytes selected (list: a partial "
+        "summary; redrive: nothing sent)",
     )
     p.add_argument("action", choices=("list", "redrive"), help="list: counts by code; redrive")
     p.add_argument("--code", action="append", default=[], help="only this crs.error code (repeat)")
@@ -129,6 +130,12 @@ def _add_operability(parser: argparse.ArgumentParser, sub: Any) -> None:
     p.add_argument("--to-offset", type=int, help="only offsets <= this (dead-letter topic)")
     p.add_argument("--max-records", type=int, default=100_000, help="read at most this many")
     p.add_argument("--max-redrives", type=int, default=3, help="refuse records redriven this often")
+    p.add_argument(
+        "--max-send-bytes",
+        type=int,
+        help="redrive: send nothing when the selected records hold more bytes (they are held "
+        "in memory and sent in one transaction; default 256 MiB); narrow the selection",
+    )
     p.add_argument("--dry-run", action="store_true", help="redrive: only show what would be sent")
     p.add_argument("--json", action="store_true", help="list: one JSON document")
     add_settings(p)
@@ -146,6 +153,8 @@ def _dlq_args_problem(args: argparse.Namespace, flt: DlqFilter) -> str | None:
         return "--max-records must be at least 1"
     if args.max_redrives < 1:
         return "--max-redrives must be at least 1"
+    if args.max_send_bytes is not None and args.max_send_bytes < 1:
+        return "--max-send-bytes must be at least 1"
     if flt.since_ms is not None and flt.until_ms is not None and flt.since_ms > flt.until_ms:
         return "--since is after --until"
     if (
@@ -234,6 +243,7 @@ def _run_dlq(args: argparse.Namespace, config: Config, flt: DlqFilter) -> int:
                     flt=flt,
                     max_records=args.max_records,
                     max_redrives=args.max_redrives,
+                    max_send_bytes=args.max_send_bytes or dlq.DEFAULT_MAX_SEND_BYTES,
                     dry_run=args.dry_run,
                 ),
                 # The summary line is printed once the transaction has committed.

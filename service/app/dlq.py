@@ -55,6 +55,8 @@ _IDLE_POLLS = 20
 # the broker silent for _IDLE_POLLS polls): list's summary is partial, redrive sent nothing.
 INCOMPLETE = 3
 _TRANSACTION_TIMEOUT_MS = 900_000
+# What a redrive may hold and send in its one transaction by default (--max-send-bytes).
+DEFAULT_MAX_SEND_BYTES = 256 << 20
 # How long a redrive stopped by a signal while committing waits for the commit's outcome
 # (a pod's default grace period is 30 s).
 _COMMIT_WAIT_S = 20.0
@@ -78,6 +80,12 @@ class DlqRecord:
     @property
     def code(self) -> str:
         return self.header("crs.error") or "unknown"
+
+    @property
+    def size(self) -> int:
+        """Bytes of key, value and headers (what a redrive holds and sends of it)."""
+        total = len(self.key or b"") + len(self.value or b"")
+        return total + sum(len(k) + len(v or b"") for k, v in self.headers)
 
     @property
     def identity(self) -> str:
@@ -297,13 +305,21 @@ async def redrive(
     max_records: int,
     max_redrives: int,
     dry_run: bool,
+    max_send_bytes: int = DEFAULT_MAX_SEND_BYTES,
     out: TextIO = sys.stdout,
 ) -> int:
     """Returns the exit code: 0, or :data:`INCOMPLETE` (nothing sent) when the read
-    stopped before the end of the topic: what lies beyond was not looked at."""
+    stopped before the end of the topic (what lies beyond was not looked at) or the
+    records to send would hold more than ``max_send_bytes``."""
     # identity -> its latest dead letter so far: where it is, and the record if it matches
     # the filter (only then is its value kept, for the send).
     latest: dict[str, tuple[_Position, DlqRecord | None]] = {}
+    # The bytes of the records kept for the send. They are held until the one transaction
+    # that sends them all: an unbounded selection (100,000 dead letters of 20 KB after an
+    # outage) took gigabytes, and an OOM kill left that transaction open on the input for
+    # its 15 minutes (found by review). Past the bound no more is kept and nothing is sent.
+    held = 0
+    too_much = False
     # (partition, offset, code, why): no values kept for records that are not sent.
     refused: list[tuple[int, int, str, str]] = []
 
@@ -330,13 +346,19 @@ async def redrive(
         # filter: it is the one to send if any (its redrive count is the highest), and
         # it supersedes the earlier ones. An earlier one that matches (say
         # retries_exhausted, when the event's latest is k8s_error) was redriven already.
+        nonlocal held, too_much
         identity = r.identity  # a hash of the whole record: once
-        entry = (_Position.of(r), r if flt.matches(r) else None)
-        held = latest.get(identity)
-        if held is not None and held[0] > entry[0]:
-            entry, held = held, entry
+        new = (_Position.of(r), r if flt.matches(r) and not too_much else None)
+        entry, earlier = new, latest.get(identity)
+        if earlier is not None and earlier[0] > entry[0]:
+            entry, earlier = earlier, entry
         latest[identity] = entry
-        if held is not None and (old := held[1]) is not None:
+        if entry is new and r is new[1]:
+            held += r.size
+            too_much = held > max_send_bytes
+        if earlier is not None and (old := earlier[1]) is not None:
+            if earlier is not new:
+                held -= old.size
             later = entry[0]
             why = f"superseded by its later dead letter p{later.partition}:{later.offset}"
             refused.append((old.partition, old.offset, old.code, why))
@@ -364,7 +386,7 @@ async def redrive(
             print(f"refused {len(refused) - 20} more", file=out)
         # Cut short, a later dead letter of a selected input may lie beyond: sending the one
         # at hand would redrive that input once more. Nothing is sent then.
-        send = complete and producer is not None
+        send = complete and not too_much and producer is not None
         if not send:
             for r in selected[:20]:
                 print(f"would redrive p{r.partition}:{r.offset} ({_shown(r.code)})", file=out)
@@ -381,6 +403,15 @@ async def redrive(
             # The signal that came during the commit, now that it is known to have landed
             # (until_signalled reports it and exits 128 + its number).
             raise asyncio.CancelledError
+        if too_much and complete:
+            print(
+                f"too much for one run, nothing sent: the selected records hold more than "
+                f"--max-send-bytes {max_send_bytes}; narrow the selection (--code, "
+                "--partition, --from-offset/--to-offset, --since/--until) and run it once "
+                "per part",
+                file=out,
+            )
+            return INCOMPLETE
         if not complete:
             print(
                 f"incomplete, nothing sent: stopped after --max-records {max_records} or "

@@ -585,3 +585,63 @@ async def test_a_commit_not_confirmed_after_a_signal_is_reported_unknown(
         await _redrive_signalled_while_committing(monkeypatch, producer)
     assert "abort" not in producer.calls
     assert producer.calls[-1] == "stop"
+
+
+async def test_a_redrive_selecting_more_than_it_may_hold_sends_nothing_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every selected record was held in memory for the one transaction, without bound:
+    # gigabytes after an outage, and an OOM kill left the transaction open on the input
+    # for 15 minutes (found by review).
+    from service.app import dlq
+
+    code = (("crs.error", b"k8s_error"),)
+    kept_values: list[int] = []
+
+    async def dead_letters(config: Config, *, max_records: int, visit: Any) -> Any:
+        for i in range(50):
+            visit(dlq.DlqRecord(0, i, i, b"vm-%d" % i, b"x" * 1000, code))
+        # What the redrive still holds once past the bound: no value kept beyond it.
+        kept_values.append(sum(1 for r in gc_records() if r.value))
+        return 50, True
+
+    def gc_records() -> list[dlq.DlqRecord]:
+        import gc
+
+        return [o for o in gc.get_objects() if isinstance(o, dlq.DlqRecord)]
+
+    started: list[str] = []
+
+    async def producer(config: Config) -> _CommittingProducer:
+        started.append("start")
+        return _CommittingProducer(commit_s=0)
+
+    monkeypatch.setattr(dlq, "read_dlq", dead_letters)
+    monkeypatch.setattr(dlq, "_transactional_producer", producer)
+    out = io.StringIO()
+    result = await dlq.redrive(
+        Config.load(env={}),
+        flt=DlqFilter(),
+        max_records=100,
+        max_redrives=3,
+        dry_run=False,
+        max_send_bytes=10_000,
+        out=out,
+    )
+    assert result == dlq.INCOMPLETE
+    assert "too much for one run, nothing sent" in out.getvalue(), out.getvalue()
+    assert "redriven" not in out.getvalue()
+    assert kept_values[0] <= 10  # ~1 KB each: no more than the bound's worth
+    # Within the bound the same records are sent.
+    out = io.StringIO()
+    config = Config.load(env={})
+    result = await dlq.redrive(
+        config, flt=DlqFilter(), max_records=100, max_redrives=3, dry_run=False, out=out
+    )
+    assert result == 0
+    assert "redriven 50, refused 0" in out.getvalue(), out.getvalue()
+
+
+def test_max_send_bytes_below_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["dlq", "redrive", "--max-send-bytes", "0"]) == 2
+    assert "--max-send-bytes must be at least 1" in capsys.readouterr().err
