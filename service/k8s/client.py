@@ -120,12 +120,17 @@ class _ObjectList(msgspec.Struct, Generic[T], frozen=True):
     metadata: _ListMeta = msgspec.field(default_factory=_ListMeta)
 
 
+class _StatusDetails(msgspec.Struct, frozen=True):
+    name: str = ""
+
+
 class _Status(msgspec.Struct, frozen=True):
     """The ``Status`` body of an error response or of a watch ERROR event."""
 
     code: int = 0
     message: str = ""
     reason: str = ""
+    details: _StatusDetails = _StatusDetails()
 
 
 class _Meta(msgspec.Struct, frozen=True):
@@ -550,7 +555,20 @@ class KubeClient:
                     resp.release()
                 call.code = status = int(resp.status)
         if not 200 <= status < 300:
-            raise error_for_status(status, f"{what}: {_status_message(body)}", kind=kind.plural)
+            found = _status_of(body)
+            if status == 404 and name and found.details.name != name:
+                # The object is gone only when the Status says so by naming it. Without
+                # that the *kind* is not served: an API server registering its CRDs after
+                # a restart, a version no longer served (or a 404 from something in
+                # between). Waiting can fix that; taking it for a deleted slot ended a
+                # placement no_slot for good (a collection's 404 is handled alike in
+                # list_objects).
+                raise UnavailableError(
+                    f"{what}: {_explanation(found)} (kind not served) (HTTP 404)",
+                    status=status,
+                    kind=kind.plural,
+                )
+            raise error_for_status(status, f"{what}: {_explanation(found)}", kind=kind.plural)
         return body
 
     @contextlib.contextmanager

@@ -222,6 +222,38 @@ async def test_a_list_of_a_kind_not_served_is_unavailable_not_not_found(
     assert requests(registry, "list", "notservedyets", "404") == 1
 
 
+async def test_an_object_of_a_kind_not_served_is_unavailable_not_deleted(
+    kube: tuple[KubeClient, Any], clean_k8s: Any
+) -> None:
+    # A GET or PATCH of one object answered 404 because its *kind* is not served (an API
+    # server registering its CRDs after a restart, a version no longer served) meant
+    # "this slot was deleted": a placement ended no_slot, a final outcome, instead of
+    # being retried (found by review). The API server's Status names the object when the
+    # object is what is missing; here it names nothing.
+    kc, registry = kube
+    await f.create(clean_k8s, f.reservation("r-1", host="h"))
+    read = await kc.get_reservation("r-1")
+    assert read is not None
+    unserved = ResourceKind("cortex.cloud", "v9notserved", "reservations")
+    with pytest.raises(UnavailableError) as exc:
+        await kc.get_object(unserved, "r-1", Reservation)
+    assert not isinstance(exc.value, NotFoundError)
+    assert exc.value.retryable
+    assert exc.value.status == 404
+    # The same for the guarded write, through the kind the client writes to.
+    monkey = kc._co.patch_cluster_custom_object
+
+    async def patch_unserved(group: str, version: str, *args: Any, **kw: Any) -> Any:
+        return await monkey(group, unserved.version, *args, **kw)
+
+    kc._co.patch_cluster_custom_object = patch_unserved
+    alloc: dict[str, object] = {"creationTimestamp": "2026-01-01T00:00:00Z", "resources": {}}
+    with pytest.raises(UnavailableError) as exc:
+        await kc.patch_allocation(read, "vm-1", alloc)
+    assert not isinstance(exc.value, NotFoundError)
+    assert requests(registry, "patch", "reservations", "404") == 1
+
+
 async def test_patch_allocation_is_guarded_by_resource_version(
     kube: tuple[KubeClient, Any], clean_k8s: Any
 ) -> None:
