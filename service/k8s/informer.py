@@ -74,6 +74,10 @@ T = TypeVar("T", bound=K8sObject)
 L = TypeVar("L")
 
 
+class _SilentWatch(UnavailableError):
+    """A watch ended by the informer's idle limit: the server sent nothing for that long."""
+
+
 class ListWatch(Protocol):
     """The transport an informer needs; :class:`~service.k8s.client.KubeClient` is one.
 
@@ -173,6 +177,12 @@ class Informer(Generic[T]):
         # these clocks go back to where they were before it opened.
         self._before_up = (self._last_activity, self._down_since)
         self._delivered = False
+        # The last watch ended at our idle limit with nothing delivered. A server that
+        # answers every WATCH and then sends nothing (a wedged handler, a proxy holding
+        # the stream after its upstream died) would otherwise look up again at each
+        # re-open: the next watch is up, and its opening a sign of life, only once it
+        # delivers something.
+        self._silent_end = False
         # Plain counters for diagnostics and tests (the request metrics are the client's).
         self.lists = 0
         self.watches = 0
@@ -223,7 +233,7 @@ class Informer(Generic[T]):
 
     @property
     def connected(self) -> bool:
-        return self._connected_since is not None
+        return self._connected_since is not None and not self._silent_end
 
     @property
     def last_error(self) -> str:
@@ -231,7 +241,7 @@ class Informer(Generic[T]):
 
     def down_for(self) -> float:
         """Seconds since the watch was last connected; 0.0 while it is connected."""
-        if self._connected_since is not None:
+        if self.connected:
             return 0.0
         return self._clock() - self._down_since
 
@@ -305,8 +315,9 @@ class Informer(Generic[T]):
                     "watch_expired_relisting", resource_version=self._rv, error=str(exc)
                 )
             except ApiError as exc:
-                attempt = self._healthy_reset(attempt)
-                self._mark_down(str(exc))
+                silent = isinstance(exc, _SilentWatch)
+                attempt = attempt if silent else self._healthy_reset(attempt)
+                self._mark_down(str(exc), silent=silent)
                 delay = self._backoff(attempt)
                 attempt += 1
                 self._log.warning(
@@ -335,13 +346,21 @@ class Informer(Generic[T]):
 
     def _mark_up(self) -> None:
         self._before_up = (self._last_activity, self._down_since)
-        self._connected_since = self._last_activity = self._clock()
+        self._connected_since = self._clock()
+        if not self._silent_end:
+            self._last_activity = self._connected_since
         self._last_error = ""
 
-    def _mark_down(self, error: str, *, renewal: bool = False) -> None:
-        """The watch is no longer open; ``renewal``: the server ended it as asked."""
+    def _mark_down(self, error: str, *, renewal: bool = False, silent: bool = False) -> None:
+        """The watch is no longer open; ``renewal``: the server ended it as asked;
+        ``silent``: our idle limit ended it."""
+        if renewal or self._delivered:
+            self._silent_end = False
+        elif silent:
+            self._silent_end = True
         if self._connected_since is not None:
-            proven = renewal or self._delivered or self._stayed_up()
+            # A stream silent until our idle limit proves nothing, however long it was open.
+            proven = renewal or self._delivered or (self._stayed_up() and not silent)
             self._connected_since = None
             now = self._clock()
             if proven:
@@ -416,12 +435,13 @@ class Informer(Generic[T]):
                 if not deadline.expired():
                     raise
                 message = f"watch {self.kind.plural}: nothing received for {idle:g}s"
-                raise UnavailableError(message, kind=self.kind.plural) from exc
+                raise _SilentWatch(message, kind=self.kind.plural) from exc
         return handled
 
     def _handle(self, event: WatchEvent[T]) -> None:
         self._last_activity = self._clock()
         self._delivered = True
+        self._silent_end = False
         rv = event.resource_version
         if event.type == "BOOKMARK":
             if rv:

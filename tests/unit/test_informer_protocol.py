@@ -50,6 +50,7 @@ def bookmark(rv: int) -> WatchEvent[Any]:
 
 
 HANG = object()  # a step: the stream stays open and silent; a float: pause that long
+# (a callable step is called)
 
 
 @dataclass
@@ -104,6 +105,8 @@ class Scripted:
                 await step.wait()
             elif isinstance(step, float):
                 await asyncio.sleep(step)  # real time: the idle bound runs on the loop's clock
+            elif callable(step):
+                step()  # e.g. move the fake clock while the stream is open
             elif isinstance(step, Exception):
                 raise step
             else:
@@ -536,3 +539,42 @@ async def test_silence_then_idle_error_is_reported(make: Make) -> None:
     await until(lambda: len(server.watch_from) == 2, "the re-watch")
     assert not inf.connected
     assert inf.last_error == "watch things: nothing received for 0.05s"
+
+
+async def test_a_server_that_opens_every_watch_and_then_sends_nothing_is_seen_down(
+    make: Make,
+) -> None:
+    # Every WATCH answered 200 and then nothing, never ended by the server (a wedged
+    # handler, a proxy holding the stream after its upstream died): each stream stayed
+    # open past the healthy mark until the idle limit, so it counted as a healthy watch,
+    # and each re-open as a sign of life. The cache was never seen down or silent and
+    # requests were decided on a frozen cache for good (found by review).
+    n = 5
+    runs: list[Run] = []
+
+    def open_30_s() -> None:
+        runs[0].clock.now += 30.0  # the idle limit's 30 s, on the fake clock
+
+    silent_watches: list[list[object]] = [[open_30_s, HANG] for _ in range(n)]
+    server = Scripted(
+        lists=[ListResult([thing("a", 5)], "10")],
+        watches=[*silent_watches, [bookmark(11), HANG]],
+    )
+    run = make(server, idle_timeout_s=0.02)
+    runs.append(run)
+    inf = run.informer
+    seen: list[tuple[float, float, bool]] = []  # after each back-off: (down, silent, connected)
+    sleep = inf._sleep
+
+    async def probing(seconds: float) -> None:
+        await sleep(seconds)
+        seen.append((inf.down_for(), inf.silent_for(), inf.connected))
+
+    inf._sleep = probing
+    await until(lambda: inf.resource_version == "11", "the watch that delivers")
+    down, silent, connected = seen[-1]
+    assert down >= n * 30 - 30, seen  # down since the first silent stream opened
+    assert silent >= n * 30, seen
+    assert not connected
+    # One that delivers something is up again.
+    assert (inf.connected, inf.down_for(), inf.silent_for()) == (True, 0.0, 0.0)
