@@ -124,6 +124,17 @@ def _holds(slot: Reservation, instance_uuid: str) -> bool:
     return crr is not None and crr.allocations is not None and instance_uuid in crr.allocations
 
 
+def _matches(slot: Reservation, target: str, project_id: str, flavor_group: str) -> bool:
+    """Whether ``slot`` is a slot of ``project_id``'s ``flavor_group`` on ``target``."""
+    crr = slot.spec.committed_resource_reservation
+    return (
+        is_slot(slot)
+        and slot.spec.target_host == target
+        and crr is not None
+        and crr.matches_group(project_id, flavor_group)
+    )
+
+
 class Recorder:
     """Classifies Nova scheduling outcomes against committed resources and records them.
 
@@ -177,22 +188,29 @@ class Recorder:
             weakref.WeakValueDictionary()
         )
 
-    async def record(self, decision: Decision, request: ExternalSchedulerRequest) -> Outcome:
+    async def record(
+        self, decision: Decision, request: ExternalSchedulerRequest, *, replay: bool = False
+    ) -> Outcome:
         """Dispatch on the decision: a target host is a placement, none is no-host-found.
 
         As in the reference, only an absent/null target is "no host found"; "" is a
-        placement (onto the host named ""), so the skip option applies to it.
+        placement (onto the host named ""), so the skip option applies to it. ``replay``:
+        the event may have been handled before (see :meth:`record_placement`).
         """
         if decision.result.target_host is None:
             return await self.record_no_host_found(decision, request)
-        return await self.record_placement(decision, request)
+        return await self.record_placement(decision, request, replay=replay)
 
     # --- placement ------------------------------------------------------------------
 
     async def record_placement(
-        self, decision: Decision, request: ExternalSchedulerRequest
+        self, decision: Decision, request: ExternalSchedulerRequest, *, replay: bool = False
     ) -> Outcome:
         """Classify and count a successful placement; claim a slot when it is slot_used.
+
+        ``replay``: the event may have been handled before, by a replica that has since
+        lost its partition or died, whose write this state may not show yet (a cache).
+        The host's slots are then read fresh before a slot is claimed.
 
         Raises :class:`~service.crs.ports.ApiError` when the cluster cannot be read (or
         the write fails for a reason other than a resolvable conflict): the caller
@@ -296,6 +314,7 @@ class Recorder:
                 vm_mem=vm_mem,
                 allocation=allocation,
                 log=log,
+                replay=replay,
             )
             # Counted once the write is settled (the reference counts just before it): a
             # write that fails with an outage makes the caller retry the event, and counting
@@ -321,6 +340,7 @@ class Recorder:
         vm_mem: int,
         allocation: dict[str, object],
         log: structlog.typing.FilteringBoundLogger,
+        replay: bool = False,
     ) -> tuple[AllocationStatus, str | None, int]:
         """Idempotency check, slot choice and guarded write, re-decided after a conflict.
 
@@ -352,6 +372,14 @@ class Recorder:
             del self._unsettled[key]
             unsettled = None
         current = list(slots)
+        if replay and unsettled is None and self._state.from_cache:
+            # Another replica may have written this VM before it lost the partition or
+            # died, and a watch cache may not show that write yet (reconnecting, or the
+            # milliseconds of delivery after a rebalance). Decided on the cache, the
+            # replay could pick a sibling slot that the guard lets through: the VM in
+            # two slots (found by review). So the host's slots are read fresh first; a
+            # list-mode snapshot is fresh already.
+            current = await self._host_slots(target, project_id, flavor_group)
         conflicts = 0
         deadline = self._monotonic() + self._conflict_timeout_s
         while True:
@@ -442,23 +470,20 @@ class Recorder:
         written this VM elsewhere, or a new slot may have appeared).
         """
 
-        def matches(r: Reservation) -> bool:
-            crr = r.spec.committed_resource_reservation
-            return (
-                is_slot(r)
-                and r.spec.target_host == target
-                and crr is not None
-                and crr.matches_group(project_id, flavor_group)
-            )
-
         # Every candidate is re-read, not only the one that conflicted: another writer may
         # have put this very VM into a sibling slot, and the idempotency check must see it.
         fresh = await all_or_none([self._state.get_reservation(r.name) for r in current])
-        kept = [r for r in fresh if r is not None and matches(r)]
+        kept = [r for r in fresh if r is not None and _matches(r, target, project_id, flavor_group)]
         if any(r.name == name and reservation_remaining_memory(r) > 0 for r in kept):
             return kept
+        return await self._host_slots(target, project_id, flavor_group)
+
+    async def _host_slots(
+        self, target: str, project_id: str, flavor_group: str
+    ) -> list[Reservation]:
+        """The slots of ``project_id``'s ``flavor_group`` on ``target``, read fresh."""
         on_host = await self._state.reservations_on_host(target)
-        return [r for r in on_host if matches(r)]
+        return [r for r in on_host if _matches(r, target, project_id, flavor_group)]
 
     def _host_lock(self, host: str) -> contextlib.AbstractAsyncContextManager[object]:
         """Placements onto one host, decided and written one at a time in this process.

@@ -95,6 +95,8 @@ class WatchClusterState(ClusterState):
     through ``client``.
     """
 
+    from_cache = True
+
     def __init__(
         self,
         client: KubeClient,

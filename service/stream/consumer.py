@@ -285,6 +285,9 @@ class _Partition:
         self.ahead_until = 0.0
         # When its producer's last transaction ended (committed or aborted): see _send.
         self.txn_ended = float("-inf")
+        # The partition's end offset when it was taken over: the records below it may
+        # have been processed by its previous owner (see _decide). None until known.
+        self.replay_until: int | None = None
 
 
 class _TokenBucket:
@@ -593,6 +596,10 @@ class StreamService:
         return error
 
     def _feed(self, part: _Partition, records: list[ConsumerRecord]) -> None:
+        if part.replay_until is None:
+            # The end offset could not be read at the take-over: the first fetch's high
+            # watermark is the nearest later bound (nothing beyond it was ever readable).
+            part.replay_until = self._consumer.highwater(part.tp) or 0
         expected = part.ledger.next_expected
         if records and expected is not None and records[0].offset < expected:
             self._fetch_reset(part, records[0].offset, expected)
@@ -763,7 +770,13 @@ class StreamService:
             with deferred.capture() as counts:
                 try:
                     out = await self._processor.process(
-                        ref, record.key, record.value, record.headers, attempt=attempt
+                        ref,
+                        record.key,
+                        record.value,
+                        record.headers,
+                        attempt=attempt,
+                        # Below the end offset at the take-over: perhaps processed before.
+                        replay=record.offset < (part.replay_until or 0),
                     )
                 except RetryLater:
                     counts.clear()
@@ -1320,7 +1333,7 @@ class StreamService:
             self._committed[tp] = start
         if self._stalled.get(tp, "").startswith(_TAKE_OVER_FAILED):  # failed take-overs
             self._clear_stall(tp)
-        await self._initial_lag(tp, start or 0)
+        part.replay_until = await self._initial_lag(tp, start or 0)
         consumer.resume(tp)
         log.info(
             "partition_acquired",
@@ -1623,15 +1636,17 @@ class StreamService:
 
         self._reading_ends = self._spawn(read(), "read-end-offsets")
 
-    async def _initial_lag(self, tp: TopicPartition, committed: int) -> None:
-        """A lag series from assignment on, before the first fetch brings the end offset."""
+    async def _initial_lag(self, tp: TopicPartition, committed: int) -> int | None:
+        """A lag series from assignment on, before the first fetch brings the end offset;
+        returns that end offset (None when it could not be read)."""
         try:
             ends = await asyncio.wait_for(self._consumer.end_offsets([tp]), 5.0)
         except Exception:  # the fetch loop sets it soon anyway
-            return
+            return None
         end = ends.get(tp)
         if end is not None:
             self._metrics.lag.labels(tp.topic, str(tp.partition)).set(max(end - committed, 0))
+        return None if end is None else int(end)
 
     @property
     def assignment(self) -> set[TopicPartition]:

@@ -394,10 +394,15 @@ class Processor:
         headers: Headers | None,
         *,
         attempt: int = 1,
+        replay: bool = False,
     ) -> OutRecord:
-        """Decide one record. Raises :class:`RetryLater` only; everything else is a record."""
+        """Decide one record. Raises :class:`RetryLater` only; everything else is a record.
+
+        ``replay``: the record may have been processed before, by the partition's previous
+        owner (the Recorder then reads the target host's slots fresh before a write).
+        """
         try:
-            return await self._process(ref, key, value, headers, attempt)
+            return await self._process(ref, key, value, headers, attempt, replay)
         except RetryLater:
             raise
         except Exception as exc:  # a bug in the error handling itself: still one record
@@ -439,6 +444,7 @@ class Processor:
         value: bytes | None,
         headers: Headers | None,
         attempt: int,
+        replay: bool,
     ) -> OutRecord:
         started = time.perf_counter()
         # Bound only where a line is written: binding per event was 4 % of an event's CPU.
@@ -463,7 +469,7 @@ class Processor:
         request = event.data.request
         bound.event_id, bound.instance_uuid = event.id, request.instance_uuid
         try:
-            outcome = await self._recorder.record(event.data.decision, request)
+            outcome = await self._recorder.record(event.data.decision, request, replay=replay)
             encoded = encode_output(event, ref, outcome)
         except ApiError as exc:
             # 401/403 is a deployment problem (RBAC, credentials) that an operator fixes:

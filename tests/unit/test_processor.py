@@ -24,6 +24,7 @@ class ScriptedRecorder:
     def __init__(self, *answers: Any) -> None:
         self.answers = list(answers)
         self.calls: list[tuple[str, Decision, ExternalSchedulerRequest]] = []
+        self.replays: list[bool] = []  # record()'s replay flag, per call
 
     async def _next(
         self, kind: str, decision: Decision, request: ExternalSchedulerRequest
@@ -34,7 +35,10 @@ class ScriptedRecorder:
             raise answer
         return answer  # type: ignore[no-any-return]
 
-    async def record(self, decision: Decision, request: ExternalSchedulerRequest) -> Outcome:
+    async def record(
+        self, decision: Decision, request: ExternalSchedulerRequest, *, replay: bool = False
+    ) -> Outcome:
+        self.replays.append(replay)
         if decision.result.target_host:
             return await self.record_placement(decision, request)
         return await self.record_no_host_found(decision, request)
@@ -107,6 +111,11 @@ async def test_placement_becomes_one_classification_record() -> None:
     assert rec.calls[0][0] == "placement"
     assert metrics.events.labels("placement", "slot_used")._value.get() == 1
     assert metrics.conflicts._value.get() == 2
+    # The engine's replay flag reaches the Recorder.
+    rec.answers.append(outcome())
+    again = await proc.process(REF, VM.encode(), value, headers, replay=True)
+    assert not again.dead_letter
+    assert rec.replays == [False, True]
 
 
 async def test_no_target_host_goes_to_no_host_found() -> None:

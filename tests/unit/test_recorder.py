@@ -125,13 +125,14 @@ async def place(
     target: str = HOST,
     candidates: Sequence[str] | None = None,
     flavor: str = "m1.large",
+    replay: bool = False,
     **req: Any,
 ) -> Outcome:
     cands = list(candidates) if candidates is not None else [target]
     request = nova.parse_request(
         nova.request(uuid, project_id=PROJECT, flavor_name=flavor, hosts=cands, **req)
     )
-    return await rec.record_placement(nova.decision(target, cands), request)
+    return await rec.record_placement(nova.decision(target, cands), request, replay=replay)
 
 
 async def no_host(
@@ -820,3 +821,46 @@ async def test_a_lost_write_is_forgotten_once_it_can_no_longer_land() -> None:
     assert out.flavor_group == "g2"
     assert UUID not in env.allocations("slot-b")
     assert UUID in env.allocations("slot-g2")
+
+
+@pytest.mark.parametrize("replay", [True, False])
+async def test_a_replay_on_a_lagging_watch_cache_reads_the_host_fresh_before_writing(
+    replay: bool,
+) -> None:
+    """Replica A wrote the VM into slot-y and lost its partition before committing;
+    replica B replays the event while its watch lags (it missed slot-y losing an
+    allocation, and A's write). Decided on B's cache, the guard let a write to slot-p
+    through: the VM in two slots (found by review). As a replay, B reads the host fresh
+    first and finds the VM."""
+    from service.k8s.cache import WatchClusterState
+    from tests.fakes.kube import FakeKube
+
+    env = Env()
+    env.seed(
+        *standard_world(
+            f.reservation(
+                "slot-y", host=HOST, memory="8Gi", allocations={"gone": f.allocation("8Gi")}
+            ),
+            f.reservation("slot-p", host=HOST, memory="16Gi"),
+        )
+    )
+    kube = FakeKube(env.state)  # its watches are silent: B's cache sees nothing after its LIST
+    cache_b = WatchClusterState(kube, transport=kube)  # type: ignore[arg-type]
+    await cache_b.start()
+    assert await cache_b.wait_synced(2)
+    try:
+        env.state.patch(
+            "Reservation",
+            "slot-y",
+            {"spec": {"committedResourceReservation": {"allocations": {"gone": None}}}},
+        )
+        written = await place(env.recorder_on(env.state))  # replica A, up to date
+        assert (written.allocation, written.reservation) == (AllocationStatus.WRITTEN, "slot-y")
+        again = await place(env.recorder_on(cache_b), replay=replay)  # replica B
+    finally:
+        await cache_b.stop()
+    if replay:
+        assert (again.allocation, again.reservation) == (AllocationStatus.ALREADY_PRESENT, "slot-y")
+        assert UUID not in env.allocations("slot-p")
+    else:  # what a live event decides on the lagging cache: why replays read fresh
+        assert (again.allocation, again.reservation) == (AllocationStatus.WRITTEN, "slot-p")
