@@ -394,3 +394,13 @@ async def test_rendered_chart_passes_a_server_side_dry_run(
             assert "Warning:" not in body, f"{doc['kind']}: {body[-2000:]}"
             applied = json.loads(body)
             assert applied["kind"] == doc["kind"]
+
+
+def test_the_grace_period_grows_with_the_shutdown_budget(helm_built: None) -> None:
+    # Set independently, a shutdown budget raised above ~35 s got the pod killed in the
+    # middle of its last commit, before it left the consumer group (found by review).
+    assert pod_spec(render())["terminationGracePeriodSeconds"] == 60
+    raised = render("--set", "consumer.shutdownTimeoutSeconds=90")
+    assert pod_spec(raised)["terminationGracePeriodSeconds"] == 115
+    longer = render("--set", "terminationGracePeriodSeconds=300")
+    assert pod_spec(longer)["terminationGracePeriodSeconds"] == 300
