@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import signal
 import sys
 from collections.abc import Coroutine, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from service.app.config import SETTINGS, Config, ConfigError
 
@@ -60,8 +61,21 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with the values of ``--flag=value`` arguments left out of its errors: an
+    unknown or mistyped flag is echoed whole, e.g. ``--sasl-passw=VALUE`` (a password)
+    to stderr, which ends up in logs. No abbreviated flags either."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        super().error(re.sub(r"(--[\w-]+)=\S+", r"\1=...", message))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="crs-consumer",
         description="Classify Nova scheduling outcomes against committed-resource "
         "reservations: Kafka in, Reservation slots and classification events out.",

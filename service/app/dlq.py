@@ -46,6 +46,10 @@ __all__ = [
 ]
 
 _SAMPLE_CHARS = 200
+# Distinct crs.error codes `list` summarises one by one; the rest are counted together
+# (the service writes a few dozen; a foreign writer could write any number).
+_MAX_CODES = 100
+_OTHER_CODES = "(other codes)"
 _SAMPLES_PER_CODE = 3
 # Empty polls in a row (500 ms each) after which the read gives up on the partitions not
 # yet at their end offset (a broker that stopped answering). Transaction markers do not
@@ -146,11 +150,15 @@ def redrive_headers(r: DlqRecord) -> list[tuple[str, bytes | None]]:
 
 
 async def read_dlq(
-    config: Config, *, max_records: int, visit: Callable[[DlqRecord], None]
+    config: Config,
+    *,
+    max_records: int,
+    visit: Callable[[DlqRecord], None],
+    partition: int | None = None,
 ) -> tuple[int, bool]:
     """Call ``visit`` for each dead letter up to the end offsets at start; returns the
     number read (at most ``max_records``) and whether every partition was read to its
-    end offset."""
+    end offset. ``partition``: only that one (LookupError if the topic has none such)."""
     from aiokafka import AIOKafkaConsumer
     from aiokafka.structs import TopicPartition
 
@@ -167,8 +175,20 @@ async def read_dlq(
         # An assign-only consumer tracks no topics; ask the cluster directly.
         cluster = await consumer._client.fetch_all_metadata()
         parts = cluster.partitions_for_topic(config.dlq_topic)
+        if config.dlq_topic in getattr(cluster, "unauthorized_topics", ()):
+            raise PermissionError(
+                f"not authorized to describe the dead-letter topic {config.dlq_topic} "
+                "(the tool's Kafka account needs Describe and Read on it)"
+            )
         if not parts:
             raise LookupError(f"dead-letter topic {config.dlq_topic} does not exist")
+        if partition is not None:
+            if partition not in parts:
+                raise LookupError(
+                    f"dead-letter topic {config.dlq_topic} has no partition {partition} "
+                    f"(it has 0-{max(parts)})"
+                )
+            parts = {partition}  # the others would only be read to be filtered out
         tps = [TopicPartition(config.dlq_topic, p) for p in sorted(parts)]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
@@ -270,9 +290,15 @@ async def list_dlq(
 
     def visit(r: DlqRecord) -> None:
         if flt.matches(r):
-            summary.setdefault(r.code, _CodeSummary()).add(r)
+            code = r.code
+            if code not in summary and len(summary) >= _MAX_CODES:
+                # Codes come from the records' headers: any writer's, not only ours.
+                code = _OTHER_CODES
+            summary.setdefault(code, _CodeSummary()).add(r)
 
-    read, complete = await read_dlq(config, max_records=max_records, visit=visit)
+    read, complete = await read_dlq(
+        config, max_records=max_records, visit=visit, partition=flt.partition
+    )
     total = sum(s.count for s in summary.values())
     if as_json:
         doc = {
@@ -289,7 +315,7 @@ async def list_dlq(
     for code, s in sorted(summary.items(), key=lambda kv: -kv[1].count):
         offsets = ", ".join(f"p{p}:{a}-{b}" for p, (a, b) in sorted(s.offsets.items()))
         print(
-            f"  {code}: {s.count}  first {_iso(s.first_ms)}  last {_iso(s.last_ms)}  "
+            f"  {_shown(code)}: {s.count}  first {_iso(s.first_ms)}  last {_iso(s.last_ms)}  "
             f"offsets {offsets}",
             file=out,
         )
@@ -339,6 +365,10 @@ async def redrive(
             return "key cut short; the original is in the input topic"
         if r.header("crs.headers.truncated") or r.header("crs.headers.omitted"):
             return "headers cut short or left out; the original is in the input topic"
+        if r.value is None:
+            # The input had no value (a tombstone): it would come back as empty_value, and
+            # one without a key either has a made-up key here (its coordinates).
+            return "no value; sent back it would be an empty_value dead letter again"
         return None
 
     def visit(r: DlqRecord) -> None:
@@ -369,7 +399,11 @@ async def redrive(
     # _TRANSACTION_TIMEOUT_MS. Running the tool again is how that is ended.
     producer = None if dry_run else await _transactional_producer(config)
     try:
-        read, complete = await read_dlq(config, max_records=max_records, visit=visit)
+        if producer is not None:
+            print(f"transactional id {redrive_transactional_id(config)}", file=out)
+        read, complete = await read_dlq(
+            config, max_records=max_records, visit=visit, partition=flt.partition
+        )
         selected: list[DlqRecord] = []
         for _, r in sorted(latest.values(), key=lambda e: (e[0].partition, e[0].offset)):
             if r is None:
