@@ -735,3 +735,25 @@ def test_flags_are_not_abbreviated_and_their_values_not_echoed_in_errors(
     with pytest.raises(SystemExit):
         main(["run", "--bootstrap-servrs=h:1"])
     assert "--bootstrap-servrs=..." in capsys.readouterr().err
+
+
+async def test_a_dlq_topic_the_account_may_not_describe_is_named_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Without Describe, aiokafka lists the topic as unauthorized and knows no partitions:
+    # the tool said "does not exist" (found by review).
+    import aiokafka
+
+    from service.app import dlq
+
+    class Refused(_DlqConsumer):
+        def __init__(self) -> None:
+            super().__init__([])
+            self.unauthorized_topics = {Config.load(env={}).dlq_topic}
+
+        def partitions_for_topic(self, topic: str) -> set[int]:
+            return set()
+
+    monkeypatch.setattr(aiokafka, "AIOKafkaConsumer", lambda **kw: Refused())
+    with pytest.raises(PermissionError, match="not authorized to describe"):
+        await dlq.read_dlq(Config.load(env={}), max_records=10, visit=print)
