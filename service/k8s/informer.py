@@ -195,6 +195,7 @@ class Informer(Generic[T]):
         """Start the list/watch loop as a task (idempotent); returns immediately."""
         if self._task is None or self._task.done():
             self._down_since = self._clock()
+            self._silent_end = False
             self._last_error = "starting"
             self._task = asyncio.create_task(self._run(), name=f"informer-{self.kind.plural}")
 
@@ -354,13 +355,18 @@ class Informer(Generic[T]):
     def _mark_down(self, error: str, *, renewal: bool = False, silent: bool = False) -> None:
         """The watch is no longer open; ``renewal``: the server ended it as asked;
         ``silent``: our idle limit ended it."""
+        after_silence = self._silent_end
         if renewal or self._delivered:
             self._silent_end = False
         elif silent:
             self._silent_end = True
         if self._connected_since is not None:
-            # A stream silent until our idle limit proves nothing, however long it was open.
-            proven = renewal or self._delivered or (self._stayed_up() and not silent)
+            # The first stream that stays silent until our idle limit counts as up until
+            # then (a frozen API server: the cache is served for stale_after_s more, as
+            # for any watch that went down). One opened after it proves nothing unless it
+            # delivers, however long it stays open: the outage goes on from that first
+            # silent end (a server answering every WATCH and then sending nothing).
+            proven = renewal or self._delivered or (self._stayed_up() and not after_silence)
             self._connected_since = None
             now = self._clock()
             if proven:
@@ -381,6 +387,7 @@ class Informer(Generic[T]):
         changed, removed = self._store.replace(result.items, result.resource_version)
         self._rv = result.resource_version
         self._last_activity = self._clock()
+        self._silent_end = False  # the whole state delivered: the next watch counts
         self.lists += 1
         first = not self._synced.is_set()
         self._synced.set()

@@ -573,8 +573,52 @@ async def test_a_server_that_opens_every_watch_and_then_sends_nothing_is_seen_do
     inf._sleep = probing
     await until(lambda: inf.resource_version == "11", "the watch that delivers")
     down, silent, connected = seen[-1]
-    assert down >= n * 30 - 30, seen  # down since the first silent stream opened
+    # Down since the first silent stream ended (as any watch that went down: served for
+    # stale_after_s more), not since the last one opened.
+    assert down >= (n - 1) * 30, seen
     assert silent >= n * 30, seen
     assert not connected
     # One that delivers something is up again.
     assert (inf.connected, inf.down_for(), inf.silent_for()) == (True, 0.0, 0.0)
+
+
+async def test_after_a_silent_watch_one_that_fails_otherwise_does_not_end_the_outage(
+    make: Make,
+) -> None:
+    # A silent stream, then one that delivers nothing and is reset after the healthy
+    # mark: it proved nothing either, so the outage goes on (found by review).
+    runs: list[Run] = []
+
+    def open_30_s() -> None:
+        runs[0].clock.now += 30.0
+
+    server = Scripted(
+        lists=[ListResult([thing("a", 5)], "10")],
+        watches=[[open_30_s, HANG], [open_30_s, UnavailableError("reset")], [HANG]],
+    )
+    run = make(server, idle_timeout_s=0.02)
+    runs.append(run)
+    inf = run.informer
+    await until(lambda: len(server.watch_from) == 3, "the third watch")
+    assert inf.down_for() >= 30.0  # since the silent stream ended, not since the reset
+    assert not inf.connected
+
+
+async def test_a_list_after_a_silent_watch_counts_as_delivered(make: Make) -> None:
+    # A relist (410) after a silent stream: the LIST brought the whole state, and the
+    # next watch is up at once instead of after its first renewal (found by review).
+    runs: list[Run] = []
+
+    def open_30_s() -> None:
+        runs[0].clock.now += 30.0
+
+    server = Scripted(
+        lists=[ListResult([thing("a", 5)], "10"), ListResult([thing("a", 6)], "12")],
+        watches=[[open_30_s, HANG], [ResourceExpiredError("too old", status=410)], [HANG]],
+    )
+    run = make(server, idle_timeout_s=0.02)
+    runs.append(run)
+    inf = run.informer
+    await until(lambda: server.list_calls == 2 and len(server.watch_from) == 3, "the relist")
+    await until(lambda: inf.connected, "the watch after the relist")
+    assert inf.down_for() == 0.0
