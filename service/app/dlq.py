@@ -155,10 +155,12 @@ async def read_dlq(
     max_records: int,
     visit: Callable[[DlqRecord], None],
     partition: int | None = None,
+    narrow: bool = True,
 ) -> tuple[int, bool]:
     """Call ``visit`` for each dead letter up to the end offsets at start; returns the
     number read (at most ``max_records``) and whether every partition was read to its
-    end offset. ``partition``: only that one (LookupError if the topic has none such)."""
+    end offset. ``partition``: LookupError if the topic has none such, and (``narrow``)
+    only that one is read."""
     from aiokafka import AIOKafkaConsumer
     from aiokafka.structs import TopicPartition
 
@@ -175,20 +177,21 @@ async def read_dlq(
         # An assign-only consumer tracks no topics; ask the cluster directly.
         cluster = await consumer._client.fetch_all_metadata()
         parts = cluster.partitions_for_topic(config.dlq_topic)
-        if config.dlq_topic in getattr(cluster, "unauthorized_topics", ()):
-            raise PermissionError(
-                f"not authorized to describe the dead-letter topic {config.dlq_topic} "
-                "(the tool's Kafka account needs Describe and Read on it)"
-            )
         if not parts:
-            raise LookupError(f"dead-letter topic {config.dlq_topic} does not exist")
+            # A metadata request for all topics leaves out those the account may not
+            # Describe: both look the same from here.
+            raise LookupError(
+                f"dead-letter topic {config.dlq_topic} does not exist, or this Kafka "
+                "account may not Describe it"
+            )
         if partition is not None:
             if partition not in parts:
                 raise LookupError(
                     f"dead-letter topic {config.dlq_topic} has no partition {partition} "
                     f"(it has 0-{max(parts)})"
                 )
-            parts = {partition}  # the others would only be read to be filtered out
+            if narrow:
+                parts = {partition}
         tps = [TopicPartition(config.dlq_topic, p) for p in sorted(parts)]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
@@ -383,15 +386,16 @@ async def redrive(
         if earlier is not None and earlier[0] > entry[0]:
             entry, earlier = earlier, entry
         latest[identity] = entry
-        if entry is new and r is new[1]:
-            held += r.size
-            too_much = held > max_send_bytes
         if earlier is not None and (old := earlier[1]) is not None:
             if earlier is not new:
-                held -= old.size
+                held -= old.size  # no longer held: superseded by ``r``
             later = entry[0]
             why = f"superseded by its later dead letter p{later.partition}:{later.offset}"
             refused.append((old.partition, old.offset, old.code, why))
+        if entry is new and r is new[1]:
+            held += r.size
+            # For good: from here on no value is kept, so nothing can be sent.
+            too_much = held > max_send_bytes
 
     # Started first, whether or not anything will be sent: its InitProducerId aborts the
     # open transaction of an earlier run that was killed while sending, which would
@@ -401,8 +405,10 @@ async def redrive(
     try:
         if producer is not None:
             print(f"transactional id {redrive_transactional_id(config)}", file=out)
+        # Every partition, whatever --partition says: an input's later dead letter (its
+        # copy's, which can land on another partition) decides whether it is sent.
         read, complete = await read_dlq(
-            config, max_records=max_records, visit=visit, partition=flt.partition
+            config, max_records=max_records, visit=visit, partition=flt.partition, narrow=False
         )
         selected: list[DlqRecord] = []
         for _, r in sorted(latest.values(), key=lambda e: (e[0].partition, e[0].offset)):
@@ -551,11 +557,12 @@ async def _publish(producer: Any, config: Config, records: Sequence[DlqRecord]) 
             raise
         try:
             await asyncio.wait_for(asyncio.shield(commit), _COMMIT_WAIT_S)
-        except TimeoutError:
+        except (TimeoutError, asyncio.CancelledError):  # not in time, or a second signal
             commit.add_done_callback(lambda t: t.cancelled() or t.exception())
             raise CommitOutcomeUnknown(
                 f"stopped by a signal while committing, and the commit was not confirmed "
-                f"within {_COMMIT_WAIT_S:.0f} s: the {len(records)} records may or may not "
+                f"(within {_COMMIT_WAIT_S:.0f} s, or before another signal came): the "
+                f"{len(records)} records may or may not "
                 f"have been sent to {config.input_topic}; look for them (header "
                 f"{REDRIVE_HEADER}) before running redrive again"
             ) from None
