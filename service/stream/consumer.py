@@ -639,6 +639,7 @@ class StreamService:
         """
         tp = part.tp
         self._metrics.offset_resets.labels(tp.topic, str(tp.partition)).inc()
+        self._metrics.offset_reset_time.labels(tp.topic, str(tp.partition)).set(time.time())
         log.error(
             "fetch_offset_reset",
             topic=tp.topic,
@@ -908,13 +909,14 @@ class StreamService:
             async def begin() -> None:
                 await producer.begin_transaction()
                 part.ahead, part.ahead_until = offset, self._clock() + self._s.txn_open_ahead_max_s
-                if self._clock() - part.txn_ended < _MARKERS_WINDOW_S:
-                    # The group first, as in _send: its retry waits less than a partition's.
-                    await producer.send_offsets_to_transaction(offsets, self._s.group_id)
+                # Not right after the previous transaction: the broker answers the first
+                # request CONCURRENT_TRANSACTIONS meanwhile, and aiokafka retries a
+                # partition's after a fixed 20 ms, the group's sooner (see _send). Added
+                # after the offsets instead, a partition's failure (an output ACL) would
+                # surface only at the next send, as a misleading IllegalOperation.
+                if self._clock() - part.txn_ended >= _MARKERS_WINDOW_S:
                     _add_partitions_ahead(producer, self._processor.output_topic, keys)
-                else:
-                    _add_partitions_ahead(producer, self._processor.output_topic, keys)
-                    await producer.send_offsets_to_transaction(offsets, self._s.group_id)
+                await producer.send_offsets_to_transaction(offsets, self._s.group_id)
 
             await self._outside_commit(part, begin())
 

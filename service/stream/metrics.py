@@ -207,6 +207,14 @@ class StreamMetrics:
             ["topic", "partition"],
             registry=r,
         )
+        self.offset_reset_time = Gauge(
+            "crs_offset_reset_timestamp_seconds",
+            "When Kafka last reset the input partition's fetch below the committed offset "
+            "(Unix time; the alert's clock: the counter's first reset is often its first "
+            "sample)",
+            ["topic", "partition"],
+            registry=r,
+        )
         self.stalled = Gauge(
             "crs_partition_stalled",
             "1 while an assigned partition cannot make progress (commit or producer failing)",

@@ -40,6 +40,7 @@ class GatedProcessor:
 
     def __init__(self, out: str, gates: dict[bytes, asyncio.Event] | None) -> None:
         self.out, self.gates = out, gates
+        self.output_topic = out
 
     async def process(
         self, ref: InputRef, key: bytes | None, value: bytes | None, headers: Any, **_: Any

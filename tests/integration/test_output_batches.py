@@ -35,6 +35,7 @@ class AllAtOnce:
 
     def __init__(self, out: str, dlq: str, n: int) -> None:
         self.out, self.dlq_topic, self.n = out, dlq, n
+        self.output_topic = out
         self.arrived = 0
         self.all_in = asyncio.Event()
         self.metrics = StreamMetrics()

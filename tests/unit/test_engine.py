@@ -1593,12 +1593,13 @@ async def test_a_transaction_opened_ahead_adds_the_waiting_records_output_partit
     await h.stop()
 
 
-async def test_right_after_a_commit_the_group_is_added_before_the_partitions(
+async def test_right_after_a_commit_no_partition_is_added_ahead(
     broker: FakeBroker,
 ) -> None:
     # The broker answers a transaction's first request CONCURRENT_TRANSACTIONS while it
     # writes the previous one's markers; aiokafka retries the group sooner than a
-    # partition, so a transaction opened right after a commit sends its offset first.
+    # partition, so a transaction opened right after a commit sends its offset first,
+    # and its outputs add their partitions as usual.
     broker.topic_partitions["out"] = 4
     h = Harness(broker, commit_burst=5, fetch_linger_ms=0)
     broker.append(IN, 0, b"k0", b"v0")
@@ -1607,10 +1608,11 @@ async def test_right_after_a_commit_the_group_is_added_before_the_partitions(
     producer: FakeProducer = (await h.part()).producer
     h.processor.gates[b"v1"] = gate = asyncio.Event()
     broker.append(IN, 0, b"k1", b"v1")
-    await until(lambda: producer.calls[-3:] == ["begin", "offsets", "add"])
-    assert producer.added == [out_tp(b"k1")]
+    await until(lambda: producer.calls[-2:] == ["begin", "offsets"])
     gate.set()
     await until(lambda: outputs(broker) == [b"v0", b"v1"])
+    assert producer.calls[-4:] == ["begin", "offsets", "send", "commit"]
+    assert producer.added == []
     await h.stop()
 
 
