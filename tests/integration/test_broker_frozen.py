@@ -48,6 +48,9 @@ from tests.integration import test_service_resilience as resilience
 pytestmark = pytest.mark.integration
 
 SHUTDOWN_S = 8.0
+# What the deployment's terminationGracePeriodSeconds adds to CRS_SHUTDOWN_TIMEOUT_S for
+# the clean-up after the budget (tests/unit/test_packaging.py requires it).
+GRACE_MARGIN_S = 25.0
 # runtime.py: the consume loop gets 70 % of the budget to finish and commit; past that
 # it is cancelled (the commit cut short) and the clients are closed in what is left.
 CUT_AT_S = SHUTDOWN_S * 0.7
@@ -78,6 +81,49 @@ async def backlog_under_way(
     return topics, w
 
 
+async def sigterm_with_the_broker_frozen(
+    devstack: DevStack, replicas: faults.Replicas, *, resume_after_s: float | None
+) -> float:
+    """SIGTERM replica "a" with the broker frozen; the broker resumes ``resume_after_s``
+    later (None: once "a" has ended, or gave up waiting for it). Seconds until "a" ended."""
+    broker = int((devstack.run_dir / "kafka.pid").read_text())
+    a = replicas.procs["a"]
+    os.kill(broker, signal.SIGSTOP)
+    try:
+        a.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        if resume_after_s is not None:
+            await asyncio.sleep(resume_after_s)
+        else:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.to_thread(a.wait, SHUTDOWN_S + GRACE_MARGIN_S + 10)
+    finally:
+        os.kill(broker, signal.SIGCONT)
+    if resume_after_s is not None:
+        a.wait(timeout=SHUTDOWN_S + 20)
+    return time.monotonic() - signalled
+
+
+async def the_second_replica_finishes_exactly_once(
+    devstack: DevStack,
+    clean_k8s: Any,
+    replicas: faults.Replicas,
+    topics: dict[str, str],
+    w: faults.Workload,
+) -> None:
+    """Replica "b" takes the rest over: every input once across output and dead letters,
+    no VM in two slots, the group's offsets at the ends."""
+    boot = devstack.kafka_bootstrap
+    replicas.spawn("b", topics)
+    partitions = resilience.PARTITIONS
+    ends, outputs, dead = await faults.results(boot, topics, partitions, w, replicas, 120)
+    codes = replicas.stop_all()
+    faults.check_exactly_once(outputs, dead, ends, w)
+    await faults.check_allocations(clean_k8s, w)
+    assert await faults.committed_offsets(boot, f"g-{topics['input']}", topics["input"]) == ends
+    assert codes["b"] == 0, f"exit codes {codes}\n{replicas.logs()}"
+
+
 async def test_sigterm_with_the_broker_frozen_mid_commit_ends_in_budget_and_commits_nothing_twice(
     devstack: DevStack,
     clean_k8s: Any,
@@ -85,7 +131,6 @@ async def test_sigterm_with_the_broker_frozen_mid_commit_ends_in_budget_and_comm
     replicas: faults.Replicas,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    partitions = resilience.PARTITIONS
     topics, w = await backlog_under_way(
         devstack,
         clean_k8s,
@@ -95,21 +140,10 @@ async def test_sigterm_with_the_broker_frozen_mid_commit_ends_in_budget_and_comm
         21,
         CRS_SHUTDOWN_TIMEOUT_S=str(SHUTDOWN_S),
     )
-    group = f"g-{topics['input']}"
-    boot = devstack.kafka_bootstrap
-    broker = int((devstack.run_dir / "kafka.pid").read_text())
-    a = replicas.procs["a"]
-    os.kill(broker, signal.SIGSTOP)
-    try:
-        a.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        # Resumed after the budget has cut the stop's commits short, while the replica
-        # is still closing its clients (the rest of the budget).
-        await asyncio.sleep(CUT_AT_S + 0.8)
-    finally:
-        os.kill(broker, signal.SIGCONT)
-    code = a.wait(timeout=SHUTDOWN_S + 20)
-    took = time.monotonic() - signalled
+    # Resumed after the budget has cut the stop's commits short, while the replica is
+    # still closing its clients (the rest of the budget).
+    took = await sigterm_with_the_broker_frozen(devstack, replicas, resume_after_s=CUT_AT_S + 0.8)
+    code = replicas.procs["a"].returncode
     log = (replicas.log_dir / "a.log").read_text(errors="replace")
     # The workload did what the test is about: the stop's commit was cut short.
     assert "shutdown_abandoning_in_flight_work" in log, (
@@ -120,19 +154,7 @@ async def test_sigterm_with_the_broker_frozen_mid_commit_ends_in_budget_and_comm
     assert took <= SHUTDOWN_S + 3.0, f"stopped {took:.1f} s after SIGTERM\n{log[-3000:]}"
     assert code == 0, f"exit code {code}\n{log[-3000:]}"
     del replicas.procs["a"]  # ended as it should: no longer one of the running replicas
-
-    replicas.spawn("b", topics)
-    ends, outputs, dead = await faults.results(boot, topics, partitions, w, replicas, 120)
-    codes = replicas.stop_all()
-    faults.check_exactly_once(outputs, dead, ends, w)
-    await faults.check_allocations(clean_k8s, w)
-    assert await faults.committed_offsets(boot, group, topics["input"]) == ends
-    assert codes["b"] == 0, f"exit codes {codes}\n{replicas.logs()}"
-
-
-# What the deployment's terminationGracePeriodSeconds adds to CRS_SHUTDOWN_TIMEOUT_S for
-# the clean-up after the budget (tests/unit/test_packaging.py requires it).
-GRACE_MARGIN_S = 25.0
+    await the_second_replica_finishes_exactly_once(devstack, clean_k8s, replicas, topics, w)
 
 
 async def test_sigterm_with_the_broker_frozen_throughout_ends_within_the_grace_period(
@@ -155,18 +177,8 @@ async def test_sigterm_with_the_broker_frozen_throughout_ends_within_the_grace_p
         23,
         CRS_SHUTDOWN_TIMEOUT_S=str(SHUTDOWN_S),
     )
-    boot = devstack.kafka_bootstrap
-    broker = int((devstack.run_dir / "kafka.pid").read_text())
     a = replicas.procs["a"]
-    os.kill(broker, signal.SIGSTOP)
-    try:
-        a.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            await asyncio.to_thread(a.wait, SHUTDOWN_S + GRACE_MARGIN_S + 10)
-        took = time.monotonic() - signalled
-    finally:
-        os.kill(broker, signal.SIGCONT)
+    took = await sigterm_with_the_broker_frozen(devstack, replicas, resume_after_s=None)
     log = (replicas.log_dir / "a.log").read_text(errors="replace")
     assert a.poll() is not None, f"still running {took:.1f} s after SIGTERM\n{log[-3000:]}"
     assert "shutdown_abandoning_in_flight_work" in log, log[-3000:]  # the budget ran out
@@ -174,14 +186,7 @@ async def test_sigterm_with_the_broker_frozen_throughout_ends_within_the_grace_p
     assert took <= SHUTDOWN_S + GRACE_MARGIN_S, f"stopped after {took:.1f} s\n{log[-3000:]}"
     assert a.returncode == 0, f"exit code {a.returncode}\n{log[-3000:]}"
     del replicas.procs["a"]
-
-    replicas.spawn("b", topics)
-    partitions = resilience.PARTITIONS
-    ends, outputs, dead = await faults.results(boot, topics, partitions, w, replicas, 120)
-    codes = replicas.stop_all()
-    faults.check_exactly_once(outputs, dead, ends, w)
-    await faults.check_allocations(clean_k8s, w)
-    assert codes["b"] == 0, f"exit codes {codes}\n{replicas.logs()}"
+    await the_second_replica_finishes_exactly_once(devstack, clean_k8s, replicas, topics, w)
 
 
 @pytest.mark.parametrize("then", ["taken over", "rebalanced"])
