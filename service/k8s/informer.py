@@ -69,6 +69,8 @@ _log = structlog.get_logger(__name__)
 _MESSAGE_LIMIT: Final = 300
 # A watch that stayed up this long counts as healthy: the next failure backs off from 0.
 _HEALTHY_WATCH_S: Final = 10.0
+# The server-side timeout of a watch opened after a silent one (see _watch).
+_PROBE_WATCH_S: Final = 2
 
 T = TypeVar("T", bound=K8sObject)
 L = TypeVar("L")
@@ -356,10 +358,10 @@ class Informer(Generic[T]):
         """The watch is no longer open; ``renewal``: the server ended it as asked;
         ``silent``: our idle limit ended it."""
         after_silence = self._silent_end
-        if renewal or self._delivered:
-            self._silent_end = False
-        elif silent:
+        if silent:  # whatever it delivered before it fell silent
             self._silent_end = True
+        elif renewal or self._delivered:
+            self._silent_end = False
         if self._connected_since is not None:
             # The first stream that stays silent until our idle limit counts as up until
             # then (a frozen API server: the cache is served for stale_after_s more, as
@@ -410,6 +412,12 @@ class Informer(Generic[T]):
         # client-go spreads watch renewals over [timeout, 2*timeout); a smaller spread
         # keeps the same effect (no thundering herd of re-watches) with a known bound.
         server_timeout = int(self._opts.watch_timeout_s * (1.0 + 0.2 * self._random.random()))
+        if self._silent_end:
+            # After a silent stream this watch counts only once it delivers: asked to end
+            # within seconds, a live server proves itself at once (a renewal), instead of
+            # at its next bookmark or renewal (~15 s on a quiet kind, while requests fail
+            # on a cache that went stale during a freeze the server has recovered from).
+            server_timeout = min(server_timeout, _PROBE_WATCH_S)
         idle = self._opts.idle_timeout_s
         handled = 0
         self.watches += 1

@@ -62,6 +62,7 @@ class Scripted:
     watches: list[Exception | list[object]] = field(default_factory=list)
     list_calls: int = 0
     watch_from: list[str] = field(default_factory=list)
+    timeouts: list[int] = field(default_factory=list)  # each WATCH's timeoutSeconds
 
     async def list_objects(
         self,
@@ -90,6 +91,7 @@ class Scripted:
         timeout_s: int = 300,
     ) -> AsyncIterator[AsyncIterator[WatchEvent[Obj]]]:
         self.watch_from.append(resource_version)
+        self.timeouts.append(timeout_s)
         if not self.watches:
             await asyncio.Event().wait()
         script = self.watches.pop(0)
@@ -622,3 +624,35 @@ async def test_a_list_after_a_silent_watch_counts_as_delivered(make: Make) -> No
     await until(lambda: server.list_calls == 2 and len(server.watch_from) == 3, "the relist")
     await until(lambda: inf.connected, "the watch after the relist")
     assert inf.down_for() == 0.0
+
+
+async def test_after_a_silent_stream_a_live_server_proves_itself_within_seconds(
+    make: Make,
+) -> None:
+    # A frozen API server resumes: the watch opened after the silent one counts only
+    # once it delivers, and on a quiet kind that was its renewal ~15 s later, while
+    # requests failed on the cache gone stale (found by review). It asks the server to
+    # end it within seconds: the renewal then comes at once.
+    runs: list[Run] = []
+
+    def open_30_s() -> None:
+        runs[0].clock.now += 30.0
+
+    def two_s() -> None:
+        runs[0].clock.now += 2.0
+
+    server = Scripted(
+        lists=[ListResult([thing("a", 5)], "10")],
+        watches=[[event("ADDED", thing("a", 11)), open_30_s, HANG], [two_s], [HANG]],
+    )
+    run = make(server, idle_timeout_s=0.02, watch_timeout_s=15)
+    runs.append(run)
+    inf = run.informer
+    await until(lambda: len(server.watch_from) == 3, "the watch after the probe")
+    # A stream that delivered and then fell silent counts too: the next one is a probe.
+    assert server.timeouts[0] >= 15
+    assert server.timeouts[1] <= 2
+    assert server.timeouts[2] >= 15
+    await until(lambda: inf.connected, "the third watch up")
+    assert inf.down_for() == 0.0
+    assert inf.silent_for() <= 2.0 + sum(run.slept) + 1e-6
