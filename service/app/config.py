@@ -260,7 +260,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
             "CRS_K8S_READ_MODE",
             "watch: informer cache, no API reads per event (a slot_used placement below its "
             "partition's end offset at the take-over, perhaps written by the previous owner, "
-            "reads its host's slots first); list: read per event",
+            "re-reads its candidate slots first); list: read per event",
         ),
     ] = "watch"
     k8s_timeout_s: Annotated[

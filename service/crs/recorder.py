@@ -210,7 +210,7 @@ class Recorder:
 
         ``replay``: the event may have been handled before, by a replica that has since
         lost its partition or died, whose write this state may not show yet (a cache).
-        The host's slots are then read fresh before a slot is claimed.
+        The candidate slots are then read fresh before one is claimed.
 
         Raises :class:`~service.crs.ports.ApiError` when the cluster cannot be read (or
         the write fails for a reason other than a resolvable conflict): the caller
@@ -377,9 +377,13 @@ class Recorder:
             # died, and a watch cache may not show that write yet (reconnecting, or the
             # milliseconds of delivery after a rebalance). Decided on the cache, the
             # replay could pick a sibling slot that the guard lets through: the VM in
-            # two slots (found by review). So the host's slots are read fresh first; a
-            # list-mode snapshot is fresh already.
-            current = await self._host_slots(target, project_id, flavor_group)
+            # two slots (found by review). So the candidate slots are read fresh first,
+            # by name (not every slot on the host: a backlog's replays took twice as long
+            # to drain with those GETs); a list-mode snapshot is fresh already.
+            reread = await all_or_none([self._state.get_reservation(r.name) for r in current])
+            current = [
+                r for r in reread if r is not None and _matches(r, target, project_id, flavor_group)
+            ]
         conflicts = 0
         deadline = self._monotonic() + self._conflict_timeout_s
         while True:

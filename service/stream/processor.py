@@ -399,7 +399,7 @@ class Processor:
         """Decide one record. Raises :class:`RetryLater` only; everything else is a record.
 
         ``replay``: the record may have been processed before, by the partition's previous
-        owner (the Recorder then reads the target host's slots fresh before a write).
+        owner (the Recorder then re-reads the candidate slots before a write).
         """
         try:
             return await self._process(ref, key, value, headers, attempt, replay)
