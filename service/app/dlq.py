@@ -427,6 +427,9 @@ async def redrive(
         # Cut short, a later dead letter of a selected input may lie beyond: sending the one
         # at hand would redrive that input once more. Nothing is sent then.
         send = complete and not too_much and producer is not None
+        if too_much:
+            # Past the bound nothing more was kept: the selection listed would be partial.
+            selected = []
         if not send:
             for r in selected[:20]:
                 print(f"would redrive p{r.partition}:{r.offset} ({_shown(r.code)})", file=out)
@@ -434,24 +437,24 @@ async def redrive(
         if send and selected:
             interrupted = await _publish(producer, config, selected)
         verb = "redriven" if send else "would redrive"
-        print(
-            f"{verb} {len(selected)}, refused {len(refused)}, read {read} "
-            f"from {config.dlq_topic} to {config.input_topic}",
-            file=out,
-        )
+        if not too_much:
+            print(
+                f"{verb} {len(selected)}, refused {len(refused)}, read {read} "
+                f"from {config.dlq_topic} to {config.input_topic}",
+                file=out,
+            )
         if interrupted:
             # The signal that came during the commit, now that it is known to have landed
             # (until_signalled reports it and exits 128 + its number).
             raise asyncio.CancelledError
-        if too_much and complete:
+        if too_much:
             print(
-                f"too much for one run, nothing sent: the selected records hold more than "
-                f"--max-send-bytes {max_send_bytes}; narrow the selection (--code, "
+                f"too much for one run, nothing sent (read {read}): the selected records hold "
+                f"more than --max-send-bytes {max_send_bytes}; narrow the selection (--code, "
                 "--partition, --from-offset/--to-offset, --since/--until) and run it once "
                 "per part",
                 file=out,
             )
-            return INCOMPLETE
         if not complete:
             print(
                 f"incomplete, nothing sent: stopped after --max-records {max_records} or "
@@ -459,8 +462,7 @@ async def redrive(
                 "--max-records (a later dead letter of an input may lie beyond)",
                 file=out,
             )
-            return INCOMPLETE
-        return 0
+        return INCOMPLETE if too_much or not complete else 0
     finally:
         if producer is not None:
             with contextlib.suppress(Exception):
