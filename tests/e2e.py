@@ -133,7 +133,9 @@ async def read_all(
 
 async def committed(bootstrap: str, group: str, tp: TopicPartition) -> OffsetAndMetadata | None:
     """The group's committed offset (and metadata) of ``tp``, as the broker has it."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group)
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False
+    )
     await consumer.start()
     try:
         found = await consumer._coordinator.fetch_committed_offsets([tp])
