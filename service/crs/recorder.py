@@ -380,10 +380,7 @@ class Recorder:
             # two slots (found by review). So the candidate slots are read fresh first,
             # by name (not every slot on the host: a backlog's replays took twice as long
             # to drain with those GETs); a list-mode snapshot is fresh already.
-            reread = await all_or_none([self._state.get_reservation(r.name) for r in current])
-            current = [
-                r for r in reread if r is not None and _matches(r, target, project_id, flavor_group)
-            ]
+            current = await self._reread(current, target, project_id, flavor_group)
         conflicts = 0
         deadline = self._monotonic() + self._conflict_timeout_s
         while True:
@@ -476,18 +473,19 @@ class Recorder:
 
         # Every candidate is re-read, not only the one that conflicted: another writer may
         # have put this very VM into a sibling slot, and the idempotency check must see it.
-        fresh = await all_or_none([self._state.get_reservation(r.name) for r in current])
-        kept = [r for r in fresh if r is not None and _matches(r, target, project_id, flavor_group)]
+        kept = await self._reread(current, target, project_id, flavor_group)
         if any(r.name == name and reservation_remaining_memory(r) > 0 for r in kept):
             return kept
-        return await self._host_slots(target, project_id, flavor_group)
-
-    async def _host_slots(
-        self, target: str, project_id: str, flavor_group: str
-    ) -> list[Reservation]:
-        """The slots of ``project_id``'s ``flavor_group`` on ``target``, read fresh."""
         on_host = await self._state.reservations_on_host(target)
         return [r for r in on_host if _matches(r, target, project_id, flavor_group)]
+
+    async def _reread(
+        self, slots: Sequence[Reservation], target: str, project_id: str, flavor_group: str
+    ) -> list[Reservation]:
+        """``slots`` read fresh by name, those still slots of ``project_id``'s
+        ``flavor_group`` on ``target`` (one failed read cancels the rest)."""
+        fresh = await all_or_none([self._state.get_reservation(r.name) for r in slots])
+        return [r for r in fresh if r is not None and _matches(r, target, project_id, flavor_group)]
 
     def _host_lock(self, host: str) -> contextlib.AbstractAsyncContextManager[object]:
         """Placements onto one host, decided and written one at a time in this process.
