@@ -603,11 +603,11 @@ class LaggingCache(InMemoryClusterState):
         return written
 
 
-async def landed_in_slot_b_unseen() -> tuple[Env, LaggingCache]:
-    """A placement's PATCH into slot-b (4Gi, the tightest fit next to a 16Gi slot-a)
-    landed but answered too late, and the cache has not seen it."""
+def slots_a_and_b_on(state: InMemoryClusterState) -> Env:
+    """An Env on ``state`` with two slots on HOST: slot-a (16Gi) and slot-b (8Gi, the
+    tightest fit for the standard VM)."""
     env = Env()
-    env.state = state = LaggingCache()
+    env.state = state
     env.recorder = env.recorder_on(state)
     env.seed(
         *standard_world(
@@ -615,6 +615,13 @@ async def landed_in_slot_b_unseen() -> tuple[Env, LaggingCache]:
             f.reservation("slot-b", host=HOST, memory="8Gi"),
         )
     )
+    return env
+
+
+async def landed_in_slot_b_unseen() -> tuple[Env, LaggingCache]:
+    """A placement's PATCH into slot-b (4Gi, the tightest fit next to a 16Gi slot-a)
+    landed but answered too late, and the cache has not seen it."""
+    env = slots_a_and_b_on(state := LaggingCache())
     before = await state.get_reservation("slot-b")
     assert before is not None
     state.land_then_time_out = True
@@ -690,15 +697,7 @@ async def test_a_write_landing_after_its_retry_does_not_put_the_vm_in_two_slots(
     # slot-b unchanged and slot-a as good a fit. Writing slot-a, then the original landing
     # on slot-b (its guard still holds) would put the VM into both: the retry must send
     # the same guarded PATCH to slot-b instead, so only one of the two can land.
-    env = Env()
-    env.state = state = LatePatch()
-    env.recorder = env.recorder_on(state)
-    env.seed(
-        *standard_world(
-            f.reservation("slot-a", host=HOST, memory="16Gi"),
-            f.reservation("slot-b", host=HOST, memory="8Gi"),
-        )
-    )
+    env = slots_a_and_b_on(state := LatePatch())
     state.hold_next = True
     with pytest.raises(UnavailableError):
         await place(env.recorder, flavor="m1.xlarge")  # 8Gi, tightest fit: slot-b
