@@ -12,6 +12,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 __all__ = ["K8sMetrics"]
 
 # API calls range from ~1 ms (a get) to seconds (a 50k-object list page set).
+# The codes CrsKubernetesForbidden alerts on (deploy/monitoring/rules.yaml).
+_REFUSALS = ("401", "403")
+
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -22,7 +25,7 @@ class K8sMetrics:
     creating several clients in one process cannot collide on metric names.
     """
 
-    __slots__ = ("duration", "requests")
+    __slots__ = ("_seen", "duration", "requests")
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         reg = registry if registry is not None else CollectorRegistry()
@@ -39,8 +42,18 @@ class K8sMetrics:
             buckets=_BUCKETS,
             registry=reg,
         )
+        self._seen: set[tuple[str, str]] = set()
 
     def observe(self, verb: str, kind: str, code: int | str, seconds: float) -> None:
         """Record one finished request; ``code`` is the HTTP status or ``"error"``."""
+        if (verb, kind) not in self._seen:
+            # A refusal's series exists at 0 from the first call of its verb and kind:
+            # the CrsKubernetesForbidden alert takes increase() over it, and a series
+            # that appeared with a burst of 403s already at its final value would show
+            # none. Creating every code would flood the scrape; refusals are the ones
+            # an alert must not miss.
+            self._seen.add((verb, kind))
+            for refused in _REFUSALS:
+                self.requests.labels(verb=verb, kind=kind, code=refused)
         self.requests.labels(verb=verb, kind=kind, code=str(code)).inc()
         self.duration.labels(verb=verb, kind=kind).observe(seconds)

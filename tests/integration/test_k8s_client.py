@@ -319,6 +319,22 @@ async def test_token_without_rbac_is_forbidden(
     assert requests(registry, "list", "reservations", "403") == 1
 
 
+async def test_refusal_series_exist_at_zero_once_a_verb_and_kind_were_used(
+    kube: tuple[KubeClient, Any],
+) -> None:
+    """A refusal's series must exist before the first refusal: CrsKubernetesForbidden
+    takes increase() over it, and a series that appears with a burst of 403s already at
+    its final value shows no increase, so a burst scraped whole would never alert."""
+    kc, registry = kube
+    await kc.list_reservations()
+    for code in ("401", "403"):
+        labels = {"verb": "list", "kind": "reservations", "code": code}
+        assert registry.get_sample_value("crs_k8s_requests_total", labels) == 0.0
+    # Only the pairs in use: no series for calls this client never made.
+    labels = {"verb": "patch", "kind": "reservations", "code": "403"}
+    assert registry.get_sample_value("crs_k8s_requests_total", labels) is None
+
+
 async def test_bad_token_is_forbidden_401(devstack: DevStack) -> None:
     async with KubeClient.from_token(devstack.apiserver, ca_file(devstack), "garbage") as kc:
         with pytest.raises(ForbiddenError) as exc:
