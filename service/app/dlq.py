@@ -402,6 +402,7 @@ async def redrive(
     # otherwise hold every input event behind it back from the service for up to
     # _TRANSACTION_TIMEOUT_MS. Running the tool again is how that is ended.
     producer = None if dry_run else await _transactional_producer(config)
+    unknown: str | None = None  # what CommitOutcomeUnknown said (a str: no reference cycle)
     try:
         if producer is not None:
             print(f"transactional id {redrive_transactional_id(config)}", file=out)
@@ -435,7 +436,11 @@ async def redrive(
                 print(f"would redrive p{r.partition}:{r.offset} ({_shown(r.code)})", file=out)
         interrupted = False
         if send and selected:
-            interrupted = await _publish(producer, config, selected)
+            try:
+                interrupted = await _publish(producer, config, selected)
+            except CommitOutcomeUnknown as exc:
+                unknown = str(exc)
+                raise
         verb = "redriven" if send else "would redrive"
         if not too_much:
             print(
@@ -465,8 +470,16 @@ async def redrive(
         return INCOMPLETE if too_much or not complete else 0
     finally:
         if producer is not None:
-            with contextlib.suppress(Exception):
+            try:
                 await producer.stop()
+            except asyncio.CancelledError:
+                # Another signal while stopping must not replace the news that the
+                # records may have been sent with "nothing was sent".
+                if unknown is not None:
+                    raise CommitOutcomeUnknown(unknown) from None
+                raise
+            except Exception:  # the run's own outcome is what matters here
+                pass
 
 
 def _shown(text: str, limit: int = 60) -> str:

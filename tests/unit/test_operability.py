@@ -497,8 +497,9 @@ class _CommittingProducer:
     """aiokafka's transactional producer as a redrive uses it, with its commit shielded
     from a cancel (the EndTxn goes on) and taking ``commit_s`` (None: never answered)."""
 
-    def __init__(self, commit_s: float | None) -> None:
+    def __init__(self, commit_s: float | None, stop_s: float = 0.0) -> None:
         self.commit_s = commit_s
+        self.stop_s = stop_s
         self.calls: list[str] = []
 
     async def begin_transaction(self) -> None:
@@ -526,6 +527,7 @@ class _CommittingProducer:
 
     async def stop(self) -> None:
         self.calls.append("stop")
+        await asyncio.sleep(self.stop_s)
 
 
 async def _redrive_signalled_while_committing(
@@ -819,3 +821,19 @@ async def test_a_second_signal_while_waiting_for_the_commit_says_the_outcome_is_
     from service.app import dlq
 
     assert isinstance(raised.value, dlq.CommitOutcomeUnknown)
+
+
+async def test_a_third_signal_while_stopping_after_an_unknown_commit_still_says_unknown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A third signal during the producer's stop cut off the CommitOutcomeUnknown on its
+    # way out, and the tool said that nothing was sent (left in stop 27).
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.2, os.kill, os.getpid(), signal.SIGHUP)
+    loop.call_later(0.5, os.kill, os.getpid(), signal.SIGTERM)
+    producer = _CommittingProducer(commit_s=None, stop_s=2.0)
+    from service.app import dlq
+
+    with pytest.raises(dlq.CommitOutcomeUnknown, match="may or may not have been sent"):
+        await _redrive_signalled_while_committing(monkeypatch, producer)
+    assert producer.calls[-1] == "stop"
