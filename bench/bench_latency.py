@@ -230,6 +230,15 @@ async def one_run(
             f"cores {format_cores(cores)}",
             flush=True,
         )
+        # When in the run the tail came: one stall, or spread over the run.
+        first = timed[0][1]
+        slowest = sorted(range(len(lat)), key=lat.__getitem__)[-5:][::-1]
+        shown = ", ".join(
+            f"{lat[i] * 1e3:.0f} ms at {timed[i][1] - first:.1f} s "
+            f"({'placement' if i % 2 == 0 else 'no-host-found'})"
+            for i in slowest
+        )
+        print(f"      slowest: {shown}", flush=True)
         return Run(lat, cores, patch)
     finally:
         await reader.stop()
