@@ -96,6 +96,18 @@ HYPERVISORS: Final = ResourceKind("kvm.cloud.sap", "v1", "hypervisors")
 RESERVATIONS: Final = ResourceKind("cortex.cloud", "v1alpha1", "reservations")
 COMMITTED_RESOURCES: Final = ResourceKind("cortex.cloud", "v1alpha1", "committedresources")
 KNOWLEDGES: Final = ResourceKind("cortex.cloud", "v1alpha1", "knowledges")
+
+# Every (verb, kind) the service may call: what deploy/clusterrole.yaml grants, no more
+# (tests/unit/test_k8s_metrics.py compares the two). The metrics create their
+# refusal series for these at start (K8sMetrics.expect).
+CALLS: Final[tuple[tuple[str, str], ...]] = (
+    *(
+        (verb, kind.plural)
+        for kind in (HYPERVISORS, RESERVATIONS, COMMITTED_RESOURCES, KNOWLEDGES)
+        for verb in ("get", "list", "watch")
+    ),
+    ("patch", RESERVATIONS.plural),
+)
 # The four kinds by their object ``kind``: the one definition tools and tests use too.
 RESOURCE_KINDS: Final[Mapping[str, ResourceKind]] = MappingProxyType(
     {
@@ -273,6 +285,8 @@ class KubeClient:
         self._co = k8s_client.CustomObjectsApi(api)
         self._timeout = request_timeout_s
         self._metrics = metrics
+        if metrics is not None:
+            metrics.expect(CALLS)
 
     # --- construction ---------------------------------------------------------------
 

@@ -7,6 +7,8 @@ server is slow" from "we are being throttled" from "our RBAC is wrong" without l
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 __all__ = ["K8sMetrics"]
@@ -44,16 +46,24 @@ class K8sMetrics:
         )
         self._seen: set[tuple[str, str]] = set()
 
+    def expect(self, calls: Iterable[tuple[str, str]]) -> None:
+        """Create the refusal series (401, 403) of these (verb, kind) pairs at 0.
+
+        The CrsKubernetesForbidden alert takes increase() over them, and a series that
+        appears with a burst of refusals already at its final value shows none: a new
+        pod whose very first PATCH is refused (a Role without ``patch``) would never
+        alert. Created before the first call, they are scraped at 0 first. Only the
+        refusals: every code for every pair would flood the scrape for nothing.
+        """
+        for verb, kind in calls:
+            if (verb, kind) not in self._seen:
+                self._seen.add((verb, kind))
+                for refused in _REFUSALS:
+                    self.requests.labels(verb=verb, kind=kind, code=refused)
+
     def observe(self, verb: str, kind: str, code: int | str, seconds: float) -> None:
         """Record one finished request; ``code`` is the HTTP status or ``"error"``."""
-        if (verb, kind) not in self._seen:
-            # A refusal's series exists at 0 from the first call of its verb and kind:
-            # the CrsKubernetesForbidden alert takes increase() over it, and a series
-            # that appeared with a burst of 403s already at its final value would show
-            # none. Creating every code would flood the scrape; refusals are the ones
-            # an alert must not miss.
-            self._seen.add((verb, kind))
-            for refused in _REFUSALS:
-                self.requests.labels(verb=verb, kind=kind, code=refused)
+        if (verb, kind) not in self._seen:  # a call not declared ahead: from now on
+            self.expect(((verb, kind),))
         self.requests.labels(verb=verb, kind=kind, code=str(code)).inc()
         self.duration.labels(verb=verb, kind=kind).observe(seconds)

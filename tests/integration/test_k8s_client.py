@@ -32,7 +32,7 @@ from service.k8s import (
     KubeClient,
     ListClusterState,
 )
-from service.k8s.client import ResourceKind, WatchEvent
+from service.k8s.client import CALLS, ResourceKind, WatchEvent
 from service.k8s.errors import ResourceExpiredError
 from service.model import CommittedResource, Reservation
 from tests import factories as f
@@ -319,20 +319,36 @@ async def test_token_without_rbac_is_forbidden(
     assert requests(registry, "list", "reservations", "403") == 1
 
 
-async def test_refusal_series_exist_at_zero_once_a_verb_and_kind_were_used(
+async def test_refusal_series_exist_at_zero_before_the_first_call(
     kube: tuple[KubeClient, Any],
+    clean_k8s: Any,
+    devstack: DevStack,
+    service_account: tuple[str, str],
 ) -> None:
     """A refusal's series must exist before the first refusal: CrsKubernetesForbidden
     takes increase() over it, and a series that appears with a burst of 403s already at
-    its final value shows no increase, so a burst scraped whole would never alert."""
-    kc, registry = kube
-    await kc.list_reservations()
-    for code in ("401", "403"):
-        labels = {"verb": "list", "kind": "reservations", "code": code}
-        assert registry.get_sample_value("crs_k8s_requests_total", labels) == 0.0
-    # Only the pairs in use: no series for calls this client never made.
-    labels = {"verb": "patch", "kind": "reservations", "code": "403"}
-    assert registry.get_sample_value("crs_k8s_requests_total", labels) is None
+    its final value shows no increase. Here the very first PATCH of a client whose
+    account may not patch (a Role without ``patch``): scraped at 0 before, 1 after."""
+    admin, _ = kube
+    await f.create(clean_k8s, f.reservation("r-1", host="h"))
+    read = await admin.get_reservation("r-1")
+    assert read is not None
+    _, token = service_account  # an account without any RBAC
+    registry = CollectorRegistry()
+    patch_403 = {"verb": "patch", "kind": "reservations", "code": "403"}
+    async with KubeClient.from_token(
+        devstack.apiserver, ca_file(devstack), token, metrics=K8sMetrics(registry)
+    ) as kc:
+        for verb, kind in CALLS:
+            for code in ("401", "403"):
+                labels = {"verb": verb, "kind": kind, "code": code}
+                assert registry.get_sample_value("crs_k8s_requests_total", labels) == 0.0
+        with pytest.raises(ForbiddenError):
+            await kc.patch_allocation(read, "vm-1", {"resources": {"memory": "4Gi"}})
+    assert registry.get_sample_value("crs_k8s_requests_total", patch_403) == 1.0
+    # Only the calls the service makes (its ClusterRole): no series for others.
+    other = {"verb": "patch", "kind": "hypervisors", "code": "403"}
+    assert registry.get_sample_value("crs_k8s_requests_total", other) is None
 
 
 async def test_bad_token_is_forbidden_401(devstack: DevStack) -> None:
