@@ -204,14 +204,18 @@ def _dlq_filter(args: argparse.Namespace) -> DlqFilter | None:
 
 
 async def until_signalled(work: Coroutine[Any, Any, int], *, note: str = "") -> int:
-    """``work``'s exit code; SIGTERM or SIGHUP cancel it as Ctrl-C does, and exit 143/129.
+    """``work``'s exit code; SIGTERM, SIGHUP and SIGINT cancel it, and exit 143/129/130.
 
-    Python's default for those ends the process on the spot: a redrive killed so (a
-    `kubectl delete` of its pod, a closed terminal) left its transaction open on the
+    Python's default for the first two ends the process on the spot: a redrive killed so
+    (a `kubectl delete` of its pod, a closed terminal) left its transaction open on the
     input, holding every event behind it back from the service for up to the
     transaction's timeout. Cancelled, the transaction's context aborts it on the way out.
-    A signal the process ignores (``nohup``) stays ignored. ``note``: said after the
-    signal's name when one stopped the work.
+    Ctrl-C too: asyncio.run's own handling cancels on the first but raises
+    KeyboardInterrupt out of the event loop on the second, past everything the tool
+    would say (a second Ctrl-C while a redrive waits for its commit's outcome gave a
+    traceback instead of "may or may not have been sent"), and ends even the first in
+    a traceback. A signal the process ignores (``nohup``) stays ignored. ``note``: said
+    after the signal's name when one stopped the work.
     """
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
@@ -222,7 +226,11 @@ async def until_signalled(work: Coroutine[Any, Any, int], *, note: str = "") -> 
         received.append(sig)
         task.cancel()
 
-    handled = [s for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) != signal.SIG_IGN]
+    handled = [
+        s
+        for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+        if signal.getsignal(s) != signal.SIG_IGN
+    ]
     previous = {s: signal.getsignal(s) for s in handled}
     for sig in handled:
         loop.add_signal_handler(sig, cancel, sig)

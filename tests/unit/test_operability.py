@@ -20,6 +20,7 @@ from service.app.dlq import DlqFilter, DlqRecord, parse_time, redrive_headers
 from service.stream.codec import InputRef
 from service.stream.metrics import StreamMetrics, service_version
 from service.stream.processor import Processor
+from tests.conftest import REPO
 
 
 def _series(metrics: StreamMetrics) -> str:
@@ -837,3 +838,52 @@ async def test_a_third_signal_while_stopping_after_an_unknown_commit_still_says_
     with pytest.raises(dlq.CommitOutcomeUnknown, match="may or may not have been sent"):
         await _redrive_signalled_while_committing(monkeypatch, producer)
     assert producer.calls[-1] == "stop"
+
+
+_CTRL_C = """
+import asyncio, os, signal, sys
+from service.app.cli import until_signalled
+
+async def work() -> int:
+    loop = asyncio.get_running_loop()
+    for at in {at}:
+        loop.call_later(at, os.kill, os.getpid(), signal.SIGINT)
+    try:
+        await asyncio.sleep(5)
+    except asyncio.CancelledError:
+        if len({at}) == 1:
+            raise
+        try:  # like a redrive waiting for its commit's outcome
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            raise RuntimeError("may or may not have been sent") from None
+    return 0
+
+try:
+    sys.exit(asyncio.run(until_signalled(work(), note="; nothing was sent")))
+except Exception as exc:  # as _run_dlq
+    print(f"FAILED: {{exc}}", file=sys.stderr)
+    sys.exit(1)
+"""
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_under_a_dlq_command_is_said_not_a_traceback(presses: int) -> None:
+    # asyncio.run cancels on the first Ctrl-C and raises KeyboardInterrupt out of the loop
+    # on the second: a second Ctrl-C while a redrive waited for its commit's outcome gave
+    # a traceback instead of "may or may not have been sent" (found by review). Its own
+    # process: under asyncio.run, as the command runs.
+    import subprocess
+    import sys
+
+    script = _CTRL_C.format(at=[0.2, 0.6][:presses])
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=30
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    if presses == 1:
+        assert done.returncode == 128 + signal.SIGINT, done.stderr
+        assert "stopped by SIGINT; nothing was sent" in done.stderr
+    else:
+        assert done.returncode == 1, done.stderr
+        assert "FAILED: may or may not have been sent" in done.stderr
