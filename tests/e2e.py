@@ -165,12 +165,18 @@ def config(devstack: DevStack, topics: dict[str, str], **settings: str) -> Confi
     return Config.load(env=env)
 
 
-def spawn(cfg: Config, log_path: str) -> subprocess.Popen[bytes]:
-    """The service as a real process (``python -m service run``), configured by env."""
-    env = {**os.environ, **cfg.to_env()}
+def spawn(
+    cfg: Config,
+    log_path: str,
+    argv: Sequence[str] = ("-m", "service", "run"),
+    extra_env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """The service as a real process (``python -m service run``, or the interpreter with
+    ``argv``: a wrapper around it), configured by env (``extra_env``: the wrapper's)."""
+    env = {**os.environ, **cfg.to_env(), **(extra_env or {})}
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "service", "run"],
+            [sys.executable, *argv],
             cwd=REPO,
             env=env,
             stdout=log,
@@ -179,9 +185,9 @@ def spawn(cfg: Config, log_path: str) -> subprocess.Popen[bytes]:
 
 
 @contextlib.contextmanager
-def spawned(cfg: Config, log_path: str) -> Iterator[subprocess.Popen[bytes]]:
+def spawned(cfg: Config, log_path: str, **kw: Any) -> Iterator[subprocess.Popen[bytes]]:
     """:func:`spawn`, killed on exit if it is still running (a test that failed early)."""
-    proc = spawn(cfg, log_path)
+    proc = spawn(cfg, log_path, **kw)
     try:
         yield proc
     finally:
