@@ -449,9 +449,13 @@ class Cluster:
     async def clear_allocations(self, names: Iterable[str]) -> None:
         """Remove the allocations of these Reservations (so repeated runs write alike)."""
         body = {"spec": {"committedResourceReservation": {"allocations": None}}}
-        await asyncio.gather(
+        answers = await asyncio.gather(
             *(self.call("PATCH", self.url("reservations", n), body, MERGE) for n in names)
         )
+        # A slot left full would let the next run's check count the last run's writes.
+        failed = [status for status, _ in answers if status != 200]
+        if failed:
+            raise WorkloadError(f"clearing allocations: {len(failed)} PATCHes answered {failed[0]}")
 
 
 # --------------------------------------------------------------------------- the service
