@@ -10,7 +10,7 @@ sooner), and the next owner decides the record, exactly once.
 
 The service runs as its own process against the real broker, under a wrapper
 (``WRAPPER``) that makes the timing happen on purpose: the first record's decision
-waits for a file, and once the test has asked for it, a commit takes 0.5 s more and
+waits for a file, and once the test has asked for it, a commit takes 1.5 s more and
 says so with another file. The test stops the service (SIGTERM) while the first record
 is undecided and decides it during the release's last commit.
 
@@ -60,7 +60,7 @@ async def gated_process(self, ref, key, *args, **kwargs):
 async def slow_commit(self):
     if (files / "slow").exists():
         (files / "committing").touch()
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(1.5)  # ample for the test to see it and decide a0 (CI load)
     return await commit(self)
 
 Processor.process = gated_process
@@ -98,7 +98,7 @@ async def test_a_record_decided_during_the_releases_last_commit_leaves_no_transa
         CRS_COMMIT_INTERVAL_MS="60000",
         CRS_COMMIT_BURST="1",
         CRS_COMMIT_MAX_RECORDS="2",
-        CRS_SHUTDOWN_TIMEOUT_S="3",  # the release waits 1 s for a0, then commits c0
+        CRS_SHUTDOWN_TIMEOUT_S="6",  # the release waits 2 s for a0, then commits c0
     )
     files = tmp_path / "files"
     files.mkdir()
