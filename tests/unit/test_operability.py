@@ -528,7 +528,11 @@ class _CommittingProducer:
 
     async def stop(self) -> None:
         self.calls.append("stop")
-        await asyncio.sleep(self.stop_s)
+        try:
+            await asyncio.sleep(self.stop_s)
+        except asyncio.CancelledError:
+            self.calls.append("stop cancelled")
+            raise
 
 
 async def _redrive_signalled_while_committing(
@@ -830,30 +834,42 @@ async def test_a_third_signal_while_stopping_after_an_unknown_commit_still_says_
     # A third signal during the producer's stop cut off the CommitOutcomeUnknown on its
     # way out, and the tool said that nothing was sent (left in stop 27).
     loop = asyncio.get_running_loop()
-    loop.call_later(0.2, os.kill, os.getpid(), signal.SIGHUP)
-    loop.call_later(0.5, os.kill, os.getpid(), signal.SIGTERM)
+    timers = [
+        loop.call_later(0.2, os.kill, os.getpid(), signal.SIGHUP),
+        loop.call_later(0.5, os.kill, os.getpid(), signal.SIGTERM),
+    ]
     producer = _CommittingProducer(commit_s=None, stop_s=2.0)
     from service.app import dlq
 
-    with pytest.raises(dlq.CommitOutcomeUnknown, match="may or may not have been sent"):
-        await _redrive_signalled_while_committing(monkeypatch, producer)
-    assert producer.calls[-1] == "stop"
+    try:
+        with pytest.raises(dlq.CommitOutcomeUnknown, match="may or may not have been sent"):
+            await _redrive_signalled_while_committing(monkeypatch, producer)
+    finally:
+        for timer in timers:  # never a signal after the handlers are gone (kills pytest)
+            timer.cancel()
+    assert producer.calls[-2:] == ["stop", "stop cancelled"]  # the third came in stop()
 
 
 _CTRL_C = """
 import asyncio, os, signal, sys
 from service.app.cli import until_signalled
 
+# As in a terminal, whatever the test runner's own SIGINT disposition (a background job
+# of a non-interactive shell ignores it, and the child would inherit that).
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 async def work() -> int:
     loop = asyncio.get_running_loop()
-    for at in {at}:
-        loop.call_later(at, os.kill, os.getpid(), signal.SIGINT)
+    loop.call_later(0.2, os.kill, os.getpid(), signal.SIGINT)
     try:
         await asyncio.sleep(5)
     except asyncio.CancelledError:
-        if len({at}) == 1:
+        if {presses} == 1:
             raise
-        try:  # like a redrive waiting for its commit's outcome
+        # The second press once the first was taken: like a redrive waiting for its
+        # commit's outcome.
+        loop.call_later(0.2, os.kill, os.getpid(), signal.SIGINT)
+        try:
             await asyncio.sleep(5)
         except asyncio.CancelledError:
             raise RuntimeError("may or may not have been sent") from None
@@ -876,7 +892,7 @@ def test_ctrl_c_under_a_dlq_command_is_said_not_a_traceback(presses: int) -> Non
     import subprocess
     import sys
 
-    script = _CTRL_C.format(at=[0.2, 0.6][:presses])
+    script = _CTRL_C.format(presses=presses)
     done = subprocess.run(
         [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=30
     )
