@@ -328,7 +328,8 @@ async def test_refusal_series_exist_at_zero_before_the_first_call(
     """A refusal's series must exist before the first refusal: CrsKubernetesForbidden
     takes increase() over it, and a series that appears with a burst of 403s already at
     its final value shows no increase. Here the very first PATCH of a client whose
-    account may not patch (a Role without ``patch``): scraped at 0 before, 1 after."""
+    account may not patch (no RBAC at all; a Role without ``patch`` is refused alike): at 0
+    in the registry before, 1 after."""
     admin, _ = kube
     await f.create(clean_k8s, f.reservation("r-1", host="h"))
     read = await admin.get_reservation("r-1")
