@@ -446,6 +446,13 @@ class Cluster:
                     return False
         return True
 
+    async def allocations(self, name: str) -> dict[str, Any]:
+        """The allocations of Reservation ``name`` by VM ({} when it has none or is not
+        found): what a benchmark checks its writes against."""
+        status, raw = await self.call("GET", self.url("reservations", name))
+        spec = (json.loads(raw).get("spec") or {}) if status == 200 else {}
+        return (spec.get("committedResourceReservation") or {}).get("allocations") or {}
+
     async def clear_allocations(self, names: Iterable[str]) -> None:
         """Remove the allocations of these Reservations (so repeated runs write alike)."""
         body = {"spec": {"committedResourceReservation": {"allocations": None}}}

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import time
@@ -134,10 +133,7 @@ async def check_bound_writes(kubeconfig: str, records: list[Record]) -> None:
     missing = 0
     async with Cluster.connect(kubeconfig) as cluster:
         for slot, vms in wanted.items():
-            status, raw = await cluster.call("GET", cluster.url("reservations", slot))
-            spec = (json.loads(raw).get("spec") or {}) if status == 200 else {}
-            allocations = (spec.get("committedResourceReservation") or {}).get("allocations")
-            allocations = allocations or {}
+            allocations = await cluster.allocations(slot)
             missing += sum(allocations.get(vm) != ALLOCATION for vm in vms)
     if missing or not wanted:
         raise WorkloadError(f"bound: {missing} placements not in their slot ({len(wanted)} slots)")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import time
@@ -66,10 +65,7 @@ async def main() -> int:
         await asyncio.gather(*tasks)
         missing = 0
         for name, vms in written.items():
-            status, raw = await cluster.call("GET", cluster.url("reservations", name))
-            spec = json.loads(raw).get("spec") or {} if status == 200 else {}
-            crr = spec.get("committedResourceReservation") or {}
-            missing += len(vms - set(crr.get("allocations") or {}))
+            missing += len(vms - set(await cluster.allocations(name)))
         await cluster.clear_allocations(names)
     per_second: dict[int, list[float]] = defaultdict(list)
     for at, seconds, _ in timings:
