@@ -108,6 +108,7 @@ CALLS: Final[tuple[tuple[str, str], ...]] = (
     ),
     ("patch", RESERVATIONS.plural),
 )
+
 # The four kinds by their object ``kind``: the one definition tools and tests use too.
 RESOURCE_KINDS: Final[Mapping[str, ResourceKind]] = MappingProxyType(
     {

@@ -13,10 +13,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 __all__ = ["K8sMetrics"]
 
-# API calls range from ~1 ms (a get) to seconds (a 50k-object list page set).
 # The codes CrsKubernetesForbidden alerts on (deploy/monitoring/rules.yaml).
 _REFUSALS = ("401", "403")
 
+# API calls range from ~1 ms (a get) to seconds (a 50k-object list page set).
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
