@@ -55,6 +55,14 @@ def requests(registry: CollectorRegistry, verb: str, kind: str, code: str) -> fl
     return value or 0.0
 
 
+async def stored_reservation(kc: KubeClient, api: Any) -> Reservation:
+    """Reservation ``r-1`` created in the API server and read back (resourceVersion set)."""
+    await f.create(api, f.reservation("r-1", host="h"))
+    read = await kc.get_reservation("r-1")
+    assert read is not None
+    return read
+
+
 def ca_file(devstack: DevStack) -> str:
     return str(devstack.run_dir / "pki" / "ca.crt")
 
@@ -231,9 +239,7 @@ async def test_an_object_of_a_kind_not_served_is_unavailable_not_deleted(
     # being retried (found by review). The API server's Status names the object when the
     # object is what is missing; here it names nothing.
     kc, registry = kube
-    await f.create(clean_k8s, f.reservation("r-1", host="h"))
-    read = await kc.get_reservation("r-1")
-    assert read is not None
+    read = await stored_reservation(kc, clean_k8s)
     unserved = ResourceKind("cortex.cloud", "v9notserved", "reservations")
     with pytest.raises(UnavailableError) as exc:
         await kc.get_object(unserved, "r-1", Reservation)
@@ -258,9 +264,7 @@ async def test_patch_allocation_is_guarded_by_resource_version(
     kube: tuple[KubeClient, Any], clean_k8s: Any
 ) -> None:
     kc, registry = kube
-    await f.create(clean_k8s, f.reservation("r-1", host="h"))
-    read = await kc.get_reservation("r-1")
-    assert read is not None
+    read = await stored_reservation(kc, clean_k8s)
     alloc: dict[str, object] = {
         "creationTimestamp": "2026-01-01T00:00:00Z",
         "resources": {"memory": "4Gi", "cpu": "2"},
@@ -290,9 +294,7 @@ async def test_patch_allocation_is_guarded_by_resource_version(
 
 async def test_invalid_patch_is_invalid_error(kube: tuple[KubeClient, Any], clean_k8s: Any) -> None:
     kc, _ = kube
-    await f.create(clean_k8s, f.reservation("r-1", host="h"))
-    read = await kc.get_reservation("r-1")
-    assert read is not None
+    read = await stored_reservation(kc, clean_k8s)
     with pytest.raises(InvalidError) as exc:
         await kc.patch_allocation(read, "vm-1", {"creationTimestamp": "not a time"})
     assert exc.value.status == 422
@@ -331,9 +333,7 @@ async def test_refusal_series_exist_at_zero_before_the_first_call(
     account may not patch (no RBAC at all; a Role without ``patch`` is refused alike): at 0
     in the registry before, 1 after."""
     admin, _ = kube
-    await f.create(clean_k8s, f.reservation("r-1", host="h"))
-    read = await admin.get_reservation("r-1")
-    assert read is not None
+    read = await stored_reservation(admin, clean_k8s)
     _, token = service_account  # an account without any RBAC
     registry = CollectorRegistry()
     patch_403 = {"verb": "patch", "kind": "reservations", "code": "403"}
