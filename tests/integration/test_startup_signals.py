@@ -33,11 +33,24 @@ async def test_sigterm_during_a_start_up_stuck_on_kafka_ends_it_at_once(
     silent.listen(16)  # accepts (the kernel does), never answers
     port = silent.getsockname()[1]
     topics = {"input": "never-in", "output": "never-out", "dlq": "never-dlq"}
-    cfg = e2e.config(devstack, topics, KAFKA_BOOTSTRAP_SERVERS=f"127.0.0.1:{port}")
+    http_port = e2e.free_port()
+    cfg = e2e.config(
+        devstack,
+        topics,
+        KAFKA_BOOTSTRAP_SERVERS=f"127.0.0.1:{port}",
+        CRS_HTTP_PORT=str(http_port),
+    )
     log = tmp_path / "service.log"
     try:
         with e2e.spawned(cfg, str(log)) as proc:
-            await asyncio.sleep(4)  # well into the start-up, waiting on the silent broker
+            # The probes answer once the signal handlers are in place and before Kafka is
+            # first asked (a fixed sleep could signal an interpreter still importing).
+            deadline = time.monotonic() + 60
+            while (await e2e.http_get(http_port, "/healthz"))[0] != 200:
+                assert proc.poll() is None, log.read_text()[-2000:]
+                assert time.monotonic() < deadline, log.read_text()[-2000:]
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(1)  # well into the start-up, waiting on the silent broker
             assert proc.poll() is None, log.read_text()[-2000:]
             sent = time.monotonic()
             proc.send_signal(signal.SIGTERM)
