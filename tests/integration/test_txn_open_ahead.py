@@ -80,6 +80,14 @@ class WaitingProcessor:
         part = self.service._parts[TopicPartition(ref.topic, ref.partition)]
         txn = part.producer._txn_manager
         out = TopicPartition(self.out, partition_for_key(key, [0, 1], [0, 1]))
+        # Added = asked for before this decision. aiokafka moves a partition from pending
+        # to txn_partitions when the broker answers AddPartitionsToTxn: a request already
+        # sent gets up to a second for a slow answer (a fixed wait failed under load).
+        # Without the opening ahead nothing asks for it before this record is decided.
+        for _ in range(200):
+            if out not in txn._pending_txn_partitions:
+                break
+            await asyncio.sleep(0.005)
         self.added_before_decided.append(out in txn.txn_partitions)
         return OutRecord(topic=self.out, key=key, value=value, headers=[])
 
