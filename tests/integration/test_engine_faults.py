@@ -671,7 +671,9 @@ async def test_one_vms_events_keep_their_order_while_other_keys_go_on(
     topics = topics_for(monkeypatch, await e2e.new_topics(new_topic, 1))
     group = f"g-{topics['input']}"
     boot = devstack.kafka_bootstrap
-    replicas.spawn("a", topics, CRS_MAX_ATTEMPTS="1000")
+    # A PATCH timeout longer than any freeze here: X's write must be answered "written"
+    # after SIGCONT, not time out and be found already present by its retry.
+    replicas.spawn("a", topics, CRS_MAX_ATTEMPTS="1000", CRS_K8S_TIMEOUT_S="60")
     await wait_group(boot, group, 1, timeout_s=60)
     x, y = "6c1b8e4e-5f2a-4d8e-9c3b-0a1b2c3d4e5f", "0f9e8d7c-6b5a-4c3d-8e2f-1a0b9c8d7e6f"
     _, placed, placed_req = e2e.outcome("hv-1", ["hv-1", "hv-2"], vm=x)  # slot_used
@@ -770,7 +772,12 @@ async def test_key_concurrency_bounds_the_lanes_running_at_once(
     group = f"g-{topics['input']}"
     boot = devstack.kafka_bootstrap
     replicas.spawn(
-        "a", topics, CRS_KEY_CONCURRENCY="1", CRS_MAX_IN_FLIGHT="5000", CRS_MAX_ATTEMPTS="1000"
+        "a",
+        topics,
+        CRS_KEY_CONCURRENCY="1",
+        CRS_MAX_IN_FLIGHT="5000",
+        CRS_MAX_ATTEMPTS="1000",
+        CRS_K8S_TIMEOUT_S="60",  # the held PATCH is answered "written" after SIGCONT
     )
     await wait_group(boot, group, 1, timeout_s=60)
     others = 3000
