@@ -17,7 +17,12 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError, ProducerFenced
+from aiokafka.errors import (
+    ConsumerStoppedError,
+    KafkaConnectionError,
+    MessageSizeTooLargeError,
+    ProducerFenced,
+)
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from service.stream.partitioner import partition_for_key
@@ -384,6 +389,8 @@ class FakeConsumer:
     async def getmany(
         self, *partitions: TopicPartition, timeout_ms: int = 0, max_records: int | None = None
     ) -> dict[TopicPartition, list[Rec]]:
+        if self.stopped:  # as aiokafka's: a loop left running on a stopped consumer ends
+            raise ConsumerStoppedError()
         if self.broker.fail_fetches:
             raise self.broker.fail_fetches.pop(0)
         if self._fetcher.error_future.done():  # nothing is fetched any more
