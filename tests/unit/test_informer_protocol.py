@@ -522,14 +522,15 @@ async def test_a_stream_silent_past_the_idle_bound_is_watched_again(make: Make) 
 
 
 async def test_every_event_moves_the_idle_bound(make: Make) -> None:
-    # Eight events 0.05 s apart: 0.4 s of traffic on a 0.25 s idle bound, with room for
-    # a loaded machine's scheduling delays, but never that long quiet.
+    # Twelve events 0.05 s apart: 0.6 s of traffic on a 0.5 s idle bound, never that long
+    # quiet. The margin (0.45 s) is for a loaded machine: a stall that makes a step's
+    # sleep and the idle timeout fall due in one loop turn lets the timeout win.
     steps: list[object] = []
-    for i in range(8):
+    for i in range(12):
         steps += [0.05, event("ADDED", thing(f"t{i}", 11 + i))]
     server = Scripted(lists=[ListResult([], "10")], watches=[[*steps, HANG]])
-    run = make(server, idle_timeout_s=0.25)
-    await until(lambda: run.informer.events == 8, "the eight events")
+    run = make(server, idle_timeout_s=0.5)
+    await until(lambda: run.informer.events == 12, "the twelve events")
     assert server.watch_from == ["10"]
     assert run.slept == []
 
