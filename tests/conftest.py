@@ -17,8 +17,15 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from hypothesis import settings
 
 from service.k8s import RESOURCE_KINDS
+
+# No per-example deadline (Hypothesis' default is 200 ms): the properties are about
+# results, and one garbage collection or preemption on a loaded CI machine is not a
+# failure of them.
+settings.register_profile("crs", deadline=None)
+settings.load_profile("crs")
 
 REPO = Path(__file__).resolve().parents[1]
 UPSTREAM_CRDS = Path(
