@@ -824,10 +824,24 @@ async def test_a_second_signal_while_waiting_for_the_commit_says_the_outcome_is_
 ) -> None:
     # SIGTERM, then SIGHUP (a terminal closed) during the wait: the tool said nothing
     # was sent while the shielded EndTxn went on (found by review).
-    asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGHUP)
+    # The SIGHUP is sent once the SIGTERM has cancelled the run (this task, the one
+    # until_signalled cancels), not from a timer: a loop stalled on a busy machine could
+    # fire a timer before the commit or merge its cancel with the SIGTERM's.
+    run = asyncio.current_task()
+    assert run is not None
+
+    async def hang_up_once_terminated() -> None:
+        for _ in range(6000):  # 30 s at most
+            if run.cancelling():
+                os.kill(os.getpid(), signal.SIGHUP)
+                return
+            await asyncio.sleep(0.005)
+
+    second = asyncio.create_task(hang_up_once_terminated())
     producer = _CommittingProducer(commit_s=None)
     with pytest.raises(Exception, match="may or may not have been sent") as raised:
         await _redrive_signalled_while_committing(monkeypatch, producer)
+    await second
     from service.app import dlq
 
     assert isinstance(raised.value, dlq.CommitOutcomeUnknown)
