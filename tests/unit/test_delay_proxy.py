@@ -28,6 +28,9 @@ def _load() -> ModuleType:
 
 delay_proxy = _load()
 ONE_WAY_S = 0.05
+# What a loaded CI machine may add to a round trip (loop stalls add up over the two hops);
+# still well under what a proxy that delayed chunks one after another would take.
+SLACK_S = 0.25
 
 
 @pytest_asyncio.fixture
@@ -71,7 +74,7 @@ async def test_each_direction_gets_the_delay_and_bytes_pass_unchanged(echo_port:
     assert direct == b"x"
     assert direct_s < ONE_WAY_S
     # Two one-way delays (there and back), not more: the proxy adds latency, not queueing.
-    assert 2 * ONE_WAY_S <= small_rtt < 2 * ONE_WAY_S + 0.08, small_rtt
+    assert 2 * ONE_WAY_S <= small_rtt < 2 * ONE_WAY_S + SLACK_S, small_rtt
     assert 2 * ONE_WAY_S <= rtt < 2 * ONE_WAY_S + 0.5, rtt
 
 
@@ -93,7 +96,7 @@ async def test_chunks_in_flight_are_not_delayed_one_after_another(echo_port: int
         finally:
             w.close()
             await w.wait_closed()
-    assert last < 2 * ONE_WAY_S + 0.08, last
+    assert last < 2 * ONE_WAY_S + SLACK_S, last  # in line: some 0.45 s or more
 
 
 async def test_concurrent_connections_do_not_wait_for_each_other(echo_port: int) -> None:
@@ -102,4 +105,4 @@ async def test_concurrent_connections_do_not_wait_for_each_other(echo_port: int)
         results = await asyncio.gather(*(_roundtrip(proxy.port, b"%d" % i) for i in range(8)))
         elapsed = time.monotonic() - t
     assert [got for got, _ in results] == [b"%d" % i for i in range(8)]
-    assert elapsed < 2 * ONE_WAY_S + 0.15, elapsed
+    assert elapsed < 2 * ONE_WAY_S + SLACK_S, elapsed  # in line: 8 round trips
