@@ -96,6 +96,7 @@ async def sigterm_with_the_broker_frozen(
             # a busy machine moved the budget's cut past a timer's resume.
             deadline = signalled + SHUTDOWN_S + GRACE_MARGIN_S
             while f'"event":"{resume_when_logged}"' not in log.read_text(errors="replace"):
+                assert a.poll() is None, f"ended without {resume_when_logged}"
                 assert time.monotonic() < deadline, f"never logged {resume_when_logged}"
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.5)  # into the clean-up that follows

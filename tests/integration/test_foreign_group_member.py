@@ -196,7 +196,9 @@ async def test_a_foreign_leader_ending_the_kafka_client_restarts_it_not_stalls_i
         replicas.assert_running()
         naming = [s for s, b in answers if "Unexpected error during coordination" in b]
         assert set(naming) == {503}, answers
-        answered = [s for s, _ in answers if s is not None]  # a probe may time out here
+        # A probe may time out on a busy machine; most must be answered all the same.
+        answered = [s for s, _ in answers if s is not None]
+        assert len(answered) >= len(answers) * 3 / 4, answers
         assert len(naming) > len(answered) / 2, answers
         sums = await e2e.counter_sums(port, "crs_events_total", "crs_kafka_client_restarts_total")
         restarts = len(e2e.log_events(a_log, "kafka_client_restarting"))

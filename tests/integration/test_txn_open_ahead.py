@@ -80,10 +80,11 @@ class WaitingProcessor:
         part = self.service._parts[TopicPartition(ref.topic, ref.partition)]
         txn = part.producer._txn_manager
         out = TopicPartition(self.out, partition_for_key(key, [0, 1], [0, 1]))
-        # Added = asked for before this decision. aiokafka moves a partition from pending
-        # to txn_partitions when the broker answers AddPartitionsToTxn: a request already
-        # sent gets up to a second for a slow answer (a fixed wait failed under load).
-        # Without the opening ahead nothing asks for it before this record is decided.
+        # Added = asked for before this decision. aiokafka holds a partition asked for
+        # as pending until the broker confirms it (AddPartitionsToTxn), then moves it to
+        # txn_partitions: a pending one gets up to a second for a slow answer (a fixed
+        # wait failed under load). Without the opening ahead nothing asks for it before
+        # this record is decided.
         for _ in range(200):
             if out not in txn._pending_txn_partitions:
                 break
