@@ -97,18 +97,6 @@ RESERVATIONS: Final = ResourceKind("cortex.cloud", "v1alpha1", "reservations")
 COMMITTED_RESOURCES: Final = ResourceKind("cortex.cloud", "v1alpha1", "committedresources")
 KNOWLEDGES: Final = ResourceKind("cortex.cloud", "v1alpha1", "knowledges")
 
-# Every (verb, kind) the service may call: what deploy/clusterrole.yaml grants, no more
-# (tests/unit/test_k8s_metrics.py compares the two). The metrics create their
-# refusal series for these at start (K8sMetrics.expect).
-CALLS: Final[tuple[tuple[str, str], ...]] = (
-    *(
-        (verb, kind.plural)
-        for kind in (HYPERVISORS, RESERVATIONS, COMMITTED_RESOURCES, KNOWLEDGES)
-        for verb in ("get", "list", "watch")
-    ),
-    ("patch", RESERVATIONS.plural),
-)
-
 # The four kinds by their object ``kind``: the one definition tools and tests use too.
 RESOURCE_KINDS: Final[Mapping[str, ResourceKind]] = MappingProxyType(
     {
@@ -118,6 +106,15 @@ RESOURCE_KINDS: Final[Mapping[str, ResourceKind]] = MappingProxyType(
         "Knowledge": KNOWLEDGES,
     }
 )
+
+# Every (verb, kind) the service may call: what deploy/clusterrole.yaml grants, no more
+# (tests/unit/test_k8s_metrics.py compares the two). The metrics create their
+# refusal series for these at start (K8sMetrics.expect).
+CALLS: Final[tuple[tuple[str, str], ...]] = (
+    *((verb, kind.plural) for kind in RESOURCE_KINDS.values() for verb in ("get", "list", "watch")),
+    ("patch", RESERVATIONS.plural),
+)
+
 CR_RESERVATION_SELECTOR: Final = f"{LABEL_RESERVATION_TYPE}={RESERVATION_TYPE_COMMITTED_RESOURCE}"
 
 
