@@ -95,7 +95,7 @@ async def sigterm_with_the_broker_frozen(
             # Resumed on the replica's own word, not on a timer: a signal handled late on
             # a busy machine moved the budget's cut past a timer's resume.
             deadline = signalled + SHUTDOWN_S + GRACE_MARGIN_S
-            while f'"event":"{resume_when_logged}"' not in log.read_text(errors="replace"):
+            while not e2e.log_events(log, resume_when_logged):
                 assert a.poll() is None, f"ended without {resume_when_logged}"
                 assert time.monotonic() < deadline, f"never logged {resume_when_logged}"
                 await asyncio.sleep(0.05)
