@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -22,6 +21,11 @@ from aiokafka.errors import (
     KafkaConnectionError,
     MessageSizeTooLargeError,
     ProducerFenced,
+)
+from aiokafka.protocol.commit import (
+    OffsetFetchRequest,
+    OffsetFetchRequest_v3,
+    OffsetFetchResponse_v3,
 )
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
@@ -58,6 +62,10 @@ class FakeBroker:
         self.commit_delay_s = 0.0  # how long EndTxn takes (a broker in trouble)
         self.stop_delay_s = 0.0  # how long closing a producer takes (a broker in trouble)
         self.offsets_delay_s = 0.0  # how long TxnOffsetCommit takes (a broker in trouble)
+        # Group-level error codes the next OffsetFetches answer, in order, as Kafka does
+        # for v2-v7: at the top of the response, with no partition (a coordinator loading).
+        self.offset_fetch_errors: list[int] = []
+        self.offset_fetches = 0
         self.commits = 0
         self.data = asyncio.Event()
         # Topics whose metadata the producers know, with their partition counts (what
@@ -241,6 +249,7 @@ class _Coordinator:
         # Its heartbeat and committed-offsets refresh tasks (None while not running).
         self._heartbeat_task: asyncio.Future[None] | None = None
         self._commit_refresh_task: asyncio.Future[None] | None = None
+        self.coordinator_deaths = 0
 
     def end_task(self, name: str, error: BaseException) -> None:
         """What aiokafka does when one of its group tasks (``_coordination_task``,
@@ -251,15 +260,35 @@ class _Coordinator:
         setattr(self, name, task)
         self._c.broker.fail_fetches = [error] * 1_000_000
 
-    async def fetch_committed_offsets(
-        self, tps: Iterable[TopicPartition]
-    ) -> dict[TopicPartition, OffsetAndMetadata]:
-        out = {}
-        for tp in tps:
-            found = self._c.broker.committed.get((self._c.group_id, tp))
-            if found is not None:
-                out[tp] = found
-        return out
+    @property
+    def group_id(self) -> str:
+        return self._c.group_id
+
+    async def ensure_coordinator_known(self) -> None:
+        await asyncio.sleep(0)
+
+    def coordinator_dead(self) -> None:
+        self.coordinator_deaths += 1
+
+    async def _send_req(self, request: OffsetFetchRequest) -> OffsetFetchResponse_v3:
+        """OffsetFetch (the only request the engine sends through the coordinator),
+        answered as a v3 broker answers it."""
+        broker = self._c.broker
+        broker.offset_fetches += 1
+        struct = request.build(OffsetFetchRequest_v3)
+        if broker.offset_fetch_errors:
+            return OffsetFetchResponse_v3(0, [], broker.offset_fetch_errors.pop(0))
+        topics = []
+        for topic, partitions in struct.topics:
+            answers = []
+            for p in partitions:
+                found = broker.committed.get((struct.consumer_group, TopicPartition(topic, p)))
+                if found is None:
+                    answers.append((p, -1, "", 0))
+                else:
+                    answers.append((p, found.offset, found.metadata, 0))
+            topics.append((topic, answers))
+        return OffsetFetchResponse_v3(0, topics, 0)
 
 
 class _Fetcher:

@@ -74,6 +74,7 @@ from service.stream.codec import (
     PoisonCode,
     decode_input,
 )
+from service.stream.committed import fetch_committed
 from service.stream.ledger import CommitPlan, Ledger
 from service.stream.metrics import StreamMetrics
 from service.stream.partitioner import partition_for_key
@@ -1245,7 +1246,9 @@ class StreamService:
                         partitioner=partition_for_key,
                     )
                     await producer.start()  # InitProducerId: the fence
-                committed = await consumer._coordinator.fetch_committed_offsets([tp])
+                # Not aiokafka's fetch_committed_offsets: it takes a group-level error
+                # for "never committed", and the partition would start over (committed).
+                committed = await fetch_committed(consumer._coordinator, tp)
                 break
             except asyncio.CancelledError:
                 if producer is not None:
@@ -1282,11 +1285,11 @@ class StreamService:
             raise
 
     async def _install(
-        self, tp: TopicPartition, producer: Any, committed: dict[TopicPartition, Any]
+        self, tp: TopicPartition, producer: Any, found: OffsetAndMetadata | None
     ) -> None:
-        """Start ``tp`` from its committed offset with ``producer`` (see _take_over)."""
+        """Start ``tp`` from its committed offset ``found`` (None: the group never
+        committed it) with ``producer`` (see _take_over)."""
         consumer = self._consumer
-        found = committed.get(tp)
         start: int | None = None
         metadata = ""
         if found is not None and found.offset >= 0:

@@ -10,6 +10,7 @@ revokes them again afterwards.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import subprocess
@@ -613,3 +614,78 @@ async def test_a_take_over_refused_past_the_session_timeout_holds_neither_group_
     finally:
         await secure_kafka.revoke(who, denied, "deny")
         await secure_kafka.revoke(who, acls)
+
+
+async def test_a_take_over_refused_its_committed_offset_waits_instead_of_starting_over(
+    secure_kafka: SecureKafka,
+    devstack: DevStack,
+    clean_k8s: Any,
+    topics: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """OffsetFetch v2-v7 answers a group-level error (the coordinator loading or moving
+    after a broker restart or fence, an authorization failure) with the error at the top
+    of the response and no partition at all. aiokafka's fetch_committed_offsets reads only
+    the partitions, so it returned "no committed offset", and a take-over started its
+    partition over from the first record: whatever was committed came out a second time
+    (stop 29's CI: 1,010 of 3,000 inputs twice after a broker freeze). Here a real broker
+    answers GROUP_AUTHORIZATION_FAILED (a DENY of Describe on the group, which JoinGroup
+    and Heartbeat do not need) while a foreign member's join and leave make the replica
+    take its partitions over again: the take-overs must fail and wait (readiness says
+    so), never start over; the DENY lifted, they go on from the committed offsets and
+    every input comes out exactly once."""
+    async with serving(secure_kafka, devstack, clean_k8s, topics, tmp_path) as s:
+        published = 1
+        for p in range(PARTITIONS):
+            batch = [e2e.good_record(*e2e.outcome(None, ["hv-3"], project="p3")) for _ in range(3)]
+            await publish_as_admin(secure_kafka, topics["input"], batch, partition=p)
+            published += len(batch)
+        # Out, so committed: each output is committed with its input's offset.
+        outputs = await read_as_admin(secure_kafka, topics["output"], published)
+        assert len(outputs) == published, s.log.read_text()[-3000:]
+        per_partition = collections.Counter(e2e.data_of(r)["input"]["partition"] for r in outputs)
+
+        group = f"g-{topics['input']}"
+        describe = [Acl("Group", group, "literal", "Describe")]
+        await secure_kafka.grant(s.who, describe, "deny")
+        try:
+            before = len(e2e.log_events(s.log, "partition_acquired"))
+            # A foreign member joins (a rebalance: the replica's partitions revoked, one
+            # assigned again), then leaves (both assigned): take-overs, offset fetches.
+            other = AIOKafkaConsumer(
+                topics["input"],
+                **secure_kafka.admin_args(),
+                group_id=group,
+                enable_auto_commit=False,
+            )
+            await other.start()
+            try:
+                deadline = time.monotonic() + 60
+                while len(e2e.log_events(s.log, "partitions_assigned")) < 2:
+                    assert time.monotonic() < deadline, s.log.read_text()[-3000:]
+                    await other.getmany(timeout_ms=200)  # a member, which reads nothing
+                    other.pause(*other.assignment())
+            finally:
+                await other.stop()
+            await s.ready_is(503, "cannot take partition over")
+            deadline = time.monotonic() + 30
+            while {
+                e["partition"]
+                for e in e2e.log_events(s.log, "partition_acquire_failed")
+                if "GroupAuthorizationFailed" in e["error"]
+            } != set(range(PARTITIONS)):
+                assert time.monotonic() < deadline, s.log.read_text()[-3000:]
+                await asyncio.sleep(0.2)
+            # Not one take-over went ahead without its committed offset.
+            acquired = e2e.log_events(s.log, "partition_acquired")[before:]
+            assert not acquired, acquired
+        finally:
+            await secure_kafka.revoke(s.who, describe, "deny")
+        await s.one_more_event(published + 1)
+        await s.ready_is(200, "assigned")
+        acquired = e2e.log_events(s.log, "partition_acquired")[before:]
+        assert sorted(e["partition"] for e in acquired) == list(range(PARTITIONS)), acquired
+        assert all(e["committed"] == per_partition[e["partition"]] for e in acquired), acquired
+        outputs = await read_as_admin(secure_kafka, topics["output"], published + 2, 3)
+        ids = [(r.partition, e2e.data_of(r)["input"]["offset"]) for r in outputs]
+        assert len(outputs) == published + 1, (ids, s.log.read_text()[-3000:])

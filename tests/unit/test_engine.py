@@ -544,6 +544,25 @@ async def test_a_take_over_that_keeps_waiting_shows_in_readiness_and_clears_once
     await h.stop()
 
 
+async def test_a_take_over_answered_a_group_level_error_retries_not_starts_over(
+    broker: FakeBroker,
+) -> None:
+    # A coordinator loading answers OffsetFetch with the error on top and no partition;
+    # read as "never committed", the partition started over and its committed records
+    # came out again (stop 29's CI). The take-over must fail, retry and start from 2.
+    for v in (b"a", b"b", b"c"):
+        broker.append(IN, 0, v, v)
+    broker.committed[("g", TP0)] = OffsetAndMetadata(2, "")
+    broker.offset_fetch_errors = [14, 16, 30]  # loading, moved, not authorised
+    h = Harness(broker)
+    await h.start(TP0)
+    await until(lambda: outputs(broker) == [b"c"])
+    await h.stop()
+    assert h.processor.calls == [(0, 2)]
+    assert broker.offset_fetches == 4
+    assert h.consumer._coordinator.coordinator_deaths == 1  # NOT_COORDINATOR: look it up
+
+
 async def test_a_slow_take_over_goes_on_after_the_assignment_callback_returns(
     broker: FakeBroker,
 ) -> None:
