@@ -124,7 +124,7 @@ async def the_second_replica_finishes_exactly_once(
     partitions = resilience.PARTITIONS
     ends, outputs, dead = await faults.results(boot, topics, partitions, w, replicas, 120)
     codes = replicas.stop_all()
-    faults.check_exactly_once(outputs, dead, ends, w)
+    faults.check_exactly_once(outputs, dead, ends, w, replicas)
     await faults.check_allocations(clean_k8s, w)
     assert await faults.committed_offsets(boot, f"g-{topics['input']}", topics["input"]) == ends
     assert codes["b"] == 0, f"exit codes {codes}\n{replicas.logs()}"
@@ -264,7 +264,7 @@ async def test_a_freeze_past_the_commit_timeout_counts_and_commits_each_event_on
         await asyncio.sleep(0.5)
     log = (replicas.log_dir / "a.log").read_text(errors="replace")
     codes = replicas.stop_all()
-    faults.check_exactly_once(outputs, dead, ends, w)
+    faults.check_exactly_once(outputs, dead, ends, w, replicas)
     await faults.check_allocations(clean_k8s, w)
     landed = log.count("commit_found_landed")
     assert counted == expected, f"landed after a timeout: {landed}"

@@ -312,14 +312,55 @@ def dead_letter_coords(record: ConsumerRecord) -> tuple[int, int]:
     return int(headers["crs.source.partition"]), int(headers["crs.source.offset"])
 
 
+# What the replicas' logs say about ownership and commits: printed with a failed check,
+# so a run that failed once on CI can be told apart afterwards (stop 29's could not).
+_OWNERSHIP_EVENTS = (
+    "partitions_assigned",
+    "partitions_revoking",
+    "partition_acquired",
+    "partition_acquire_failed",
+    "commit_failed",
+    "commit_found_landed",
+    "release_commit_cut_short",
+    "partition_fenced",
+    "fetch_offset_reset",
+    "fetch_rewound",
+    "kafka_client_ended",
+)
+
+
+def offset_ranges(coords: list[tuple[int, int]]) -> dict[int, list[str]]:
+    """``(partition, offset)`` pairs as runs per partition: {0: ["0-249", "260"]}."""
+    runs: dict[int, list[list[int]]] = collections.defaultdict(list)
+    for p, o in sorted(coords):
+        if runs[p] and runs[p][-1][1] == o - 1:
+            runs[p][-1][1] = o
+        else:
+            runs[p].append([o, o])
+    return {p: [f"{a}-{b}" if a != b else str(a) for a, b in r] for p, r in runs.items()}
+
+
+def ownership_story(replicas: Replicas) -> str:
+    lines = []
+    for name in replicas.procs:
+        log = replicas.log_dir / f"{name}.log"
+        for event in _OWNERSHIP_EVENTS:
+            for e in e2e.log_events(log, event):
+                fields = {k: v for k, v in e.items() if k not in {"event", "level", "topic"}}
+                lines.append((e["timestamp"], f"{name} {event} {fields}"))
+    return "\n".join(text for _, text in sorted(lines)[-200:])
+
+
 def check_exactly_once(
     outputs: list[ConsumerRecord],
     dead: list[ConsumerRecord],
     ends: dict[int, int],
     w: Workload,
+    replicas: Replicas | None = None,
 ) -> None:
     """Every input record exactly once across output + DLQ; no duplicate output id; no
-    two outputs of one input; each kind of event classified as its kind."""
+    two outputs of one input; each kind of event classified as its kind. On failure the
+    message names the offsets and (``replicas``) what their logs say about ownership."""
     datas = [e2e.data_of(r) for r in outputs]
     seen: collections.Counter[tuple[int, int]] = collections.Counter(
         (d["input"]["partition"], d["input"]["offset"]) for d in datas
@@ -343,12 +384,15 @@ def check_exactly_once(
     )
     problems = []
     if twice:
-        problems.append(f"{len(twice)} of {len(expected)} inputs with more than one output")
+        problems.append(
+            f"{len(twice)} of {len(expected)} inputs with more than one output:"
+            f" {offset_ranges(twice)}"
+        )
     if contradicting:
         sample = list(contradicting.items())[:3]
         problems.append(f"{len(contradicting)} contradicting pairs, e.g. {sample}")
     if missing:
-        problems.append(f"{len(missing)} inputs never processed, e.g. {missing[:5]}")
+        problems.append(f"{len(missing)} inputs never processed: {offset_ranges(missing)}")
     if unknown:
         problems.append(f"outputs for offsets past the end: {unknown[:5]}")
     dup_ids = [i for i, c in output_ids.items() if c > 1]
@@ -369,7 +413,8 @@ def check_exactly_once(
         if not ok:
             problems.append(f"{kind} classified {d['kind']}/{d['cr_slot']}/{d['allocation']}")
             break
-    assert not problems, "; ".join(problems)
+    story = f"\n{ownership_story(replicas)}" if replicas is not None and problems else ""
+    assert not problems, "; ".join(problems) + story
 
 
 async def check_allocations(api: Any, w: Workload) -> None:
@@ -461,7 +506,7 @@ async def test_frozen_replica_past_its_session_commits_nothing_twice(
         await asyncio.sleep(0.5)
     codes = replicas.stop_all()
     assert not late, f"partitions taken over late (s): {late}"
-    check_exactly_once(outputs, dead, ends, w)
+    check_exactly_once(outputs, dead, ends, w, replicas)
     await check_allocations(clean_k8s, w)
     committed = await committed_offsets(boot, group, topics["input"])
     assert committed == ends
@@ -583,7 +628,7 @@ async def test_api_server_frozen_does_not_hold_events_that_need_no_api_call(
             f"(n, median s, p99 s) by kind {summary}"
         )
     try:
-        check_exactly_once(outputs, dead, ends, w)
+        check_exactly_once(outputs, dead, ends, w, replicas)
     except AssertionError as exc:
         problems.append(str(exc).splitlines()[0])
     try:
@@ -871,6 +916,6 @@ async def test_a_revoke_bounds_its_last_commits_when_the_broker_hangs(
 
     ends, outputs, dead = await results(boot, topics, partitions, w, replicas, 180)
     codes = replicas.stop_all()
-    check_exactly_once(outputs, dead, ends, w)
+    check_exactly_once(outputs, dead, ends, w, replicas)
     await check_allocations(clean_k8s, w)
     assert set(codes.values()) == {0}, f"exit codes {codes}\n{replicas.logs()}"
