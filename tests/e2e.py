@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from service.app.config import Config
 from service.app.runtime import Runtime
 from service.stream.codec import encode_input
+from service.stream.committed import fetch_committed
 from tests import factories as f
 from tests import nova
 from tests.conftest import REPO, DevStack
@@ -132,14 +133,14 @@ async def read_all(
 
 
 async def committed(bootstrap: str, group: str, tp: TopicPartition) -> OffsetAndMetadata | None:
-    """The group's committed offset (and metadata) of ``tp``, as the broker has it."""
+    """The group's committed offset (and metadata) of ``tp``, as the broker has it; None
+    only if the group never committed it (an error raises: service.stream.committed)."""
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False
     )
     await consumer.start()
     try:
-        found = await consumer._coordinator.fetch_committed_offsets([tp])
-        return found.get(tp)
+        return await fetch_committed(consumer._coordinator, tp)
     finally:
         await consumer.stop()
 
