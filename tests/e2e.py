@@ -132,17 +132,38 @@ async def read_all(
         await consumer.stop()
 
 
-async def committed(bootstrap: str, group: str, tp: TopicPartition) -> OffsetAndMetadata | None:
-    """The group's committed offset (and metadata) of ``tp``, as the broker has it; None
-    only if the group never committed it (an error raises: service.stream.committed)."""
+@contextlib.asynccontextmanager
+async def _group_client(bootstrap: str, group: str) -> AsyncIterator[AIOKafkaConsumer]:
+    """A consumer of ``group`` that never joins it: its coordinator answers OffsetFetch."""
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False
     )
     await consumer.start()
     try:
-        return await fetch_committed(consumer._coordinator, tp)
+        yield consumer
     finally:
         await consumer.stop()
+
+
+async def committed(bootstrap: str, group: str, tp: TopicPartition) -> OffsetAndMetadata | None:
+    """The group's committed offset (and metadata) of ``tp``, as the broker has it; None
+    only if the group never committed it. Read as the service reads it
+    (service.stream.committed): an error raises, where aiokafka's consumer and admin
+    client return nothing at all for a group-level error (a coordinator loading)."""
+    async with _group_client(bootstrap, group) as consumer:
+        return await fetch_committed(consumer._coordinator, tp)
+
+
+async def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, int]:
+    """The group's committed offsets of ``topic``'s partitions (those it committed), read
+    as ``committed`` reads one."""
+    async with _group_client(bootstrap, group) as consumer:
+        found = {}
+        for p in sorted(await consumer._client._wait_on_metadata(topic)):
+            offset = await fetch_committed(consumer._coordinator, TopicPartition(topic, p))
+            if offset is not None:
+                found[p] = offset.offset
+        return found
 
 
 def data_of(record: ConsumerRecord) -> dict[str, Any]:

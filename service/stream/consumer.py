@@ -1292,8 +1292,8 @@ class StreamService:
         consumer = self._consumer
         start: int | None = None
         metadata = ""
-        if found is not None and found.offset >= 0:
-            start, metadata = found.offset, found.metadata or ""
+        if found is not None:  # fetch_committed answers None for "never committed"
+            start, metadata = found.offset, found.metadata
         unsure = self._unsure.pop(tp, None)
         if unsure is not None and _landed(unsure, (start, metadata), producer):
             # That commit landed: its records start behind the new position and nobody

@@ -126,7 +126,7 @@ async def the_second_replica_finishes_exactly_once(
     codes = replicas.stop_all()
     faults.check_exactly_once(outputs, dead, ends, w, replicas)
     await faults.check_allocations(clean_k8s, w)
-    assert await faults.committed_offsets(boot, f"g-{topics['input']}", topics["input"]) == ends
+    assert await e2e.committed_offsets(boot, f"g-{topics['input']}", topics["input"]) == ends
     assert codes["b"] == 0, f"exit codes {codes}\n{replicas.logs()}"
 
 

@@ -44,7 +44,6 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from service.quantity import parse_quantity
-from service.stream.committed import fetch_committed
 from tests import e2e
 from tests import factories as f
 from tests.conftest import DevStack
@@ -255,27 +254,6 @@ async def end_offsets(bootstrap: str, topic: str, partitions: int) -> dict[int, 
         await consumer.stop()
 
 
-async def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, int]:
-    """The group's committed offsets of ``topic``'s partitions (those it committed).
-
-    Read as the service reads them (service.stream.committed): aiokafka's admin
-    list_consumer_group_offsets, like its consumer, returns nothing at all for a
-    group-level error (a coordinator loading), which an equality check took for a
-    mismatch."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group)
-    await consumer.start()
-    try:
-        partitions = await consumer._client._wait_on_metadata(topic)
-        found = {}
-        for p in sorted(partitions):
-            committed = await fetch_committed(consumer._coordinator, TopicPartition(topic, p))
-            if committed is not None:
-                found[p] = committed.offset
-        return found
-    finally:
-        await consumer.stop()
-
-
 async def wait_all_committed(
     bootstrap: str, group: str, topic: str, partitions: int, timeout_s: float, r: Replicas
 ) -> dict[int, int]:
@@ -285,7 +263,7 @@ async def wait_all_committed(
     committed: dict[int, int] = {}
     while time.monotonic() < deadline:
         r.assert_running()
-        committed = await committed_offsets(bootstrap, group, topic)
+        committed = await e2e.committed_offsets(bootstrap, group, topic)
         if all(committed.get(p, -1) >= ends[p] for p in ends):
             return ends
         await asyncio.sleep(0.5)
@@ -521,7 +499,7 @@ async def test_frozen_replica_past_its_session_commits_nothing_twice(
     assert not late, f"partitions taken over late (s): {late}"
     check_exactly_once(outputs, dead, ends, w, replicas)
     await check_allocations(clean_k8s, w)
-    committed = await committed_offsets(boot, group, topics["input"])
+    committed = await e2e.committed_offsets(boot, group, topics["input"])
     assert committed == ends
     assert set(codes.values()) == {0}, f"exit codes {codes}\n{replicas.logs()}"
     # The zombie found itself fenced when it woke up (its stale batch dropped, not

@@ -225,5 +225,5 @@ async def test_a_foreign_leader_ending_the_kafka_client_restarts_it_not_stalls_i
     codes = replicas.stop_all()
     faults.check_exactly_once(outputs, dead, ends, w, replicas)
     await faults.check_allocations(clean_k8s, w)
-    assert await faults.committed_offsets(boot, group, topics["input"]) == ends
+    assert await e2e.committed_offsets(boot, group, topics["input"]) == ends
     assert codes == {"a": 0}, replicas.logs()

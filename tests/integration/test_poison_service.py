@@ -295,7 +295,7 @@ async def test_records_the_kafka_client_cannot_read_become_stubs_and_stop_no_rep
         alive = [proc.poll() is None for proc in replicas]
         assert all(alive), f"a replica exited: {[p.returncode for p in replicas]}\n{tails()}"
         ends = await faults.end_offsets(bootstrap, topics["input"], PARTITIONS)
-        committed = await faults.committed_offsets(bootstrap, cfg.group_id, topics["input"])
+        committed = await e2e.committed_offsets(bootstrap, cfg.group_id, topics["input"])
         assert committed == ends
     finally:
         codes = [stop(proc) for proc in replicas]
