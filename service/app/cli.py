@@ -1,4 +1,4 @@
-"""Command line: ``crs-consumer run | check``.
+"""Command line: ``crs-consumer run | check | audit | dlq``.
 
 Every setting can come from its environment variable or from a flag of the same name
 (``CRS_INPUT_TOPIC`` ↔ ``--input-topic``); the flag wins. Exit codes: 0 success, 1 a
@@ -86,6 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
         ("check", "validate the configuration and connectivity to Kafka and Kubernetes"),
     ):
         add_settings(sub.add_parser(name, help=text, description=text))
+    text = "report what violates the allocation invariants, from one listing (never writes)"
+    p = sub.add_parser(
+        "audit",
+        help=text,
+        description=text + ": a VM in more than one Reservation for longer than "
+        "CRS_INVARIANT_GRACE_S (counted from its allocations' creationTimestamp: one-shot, "
+        "no history), an overfilled slot, a malformed allocation, allocations without a "
+        "targetHost",
+        epilog="exit codes: 0 nothing found; 1 violations found; 2 the API server could not "
+        "be read, or an invalid command line or configuration",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON document instead of a table")
+    add_settings(p)
     _add_operability(parser, sub)
     return parser
 
@@ -298,12 +311,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from service.app.logs import configure_logging
 
-    if args.command in {"run", "dlq"}:
+    if args.command in {"run", "dlq", "audit"}:
         from service.app.check import file_problems
 
         # A missing CA bundle or kubeconfig is a configuration error, named as one; dlq
         # talks to Kafka only, so its kubeconfig is none of its business.
-        problems = file_problems(config, kubernetes=args.command == "run")
+        problems = file_problems(config, kubernetes=args.command != "dlq")
         for line in problems:
             print(f"crs-consumer: invalid configuration: {line}", file=sys.stderr)
         if problems:
@@ -314,6 +327,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         configure_logging("ERROR", config.log_format)
         return _run_dlq(args, config, flt)
+    if args.command == "audit":
+        # The report is the output; the client libraries' logs would only repeat a failure.
+        configure_logging("CRITICAL", config.log_format)
+        from service.app.audit import run_audit
+
+        return asyncio.run(run_audit(config, as_json=args.json))
     if args.command == "run":
         configure_logging(config.log_level, config.log_format)
         from service.app.runtime import run_service

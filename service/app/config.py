@@ -302,6 +302,15 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     watch_backoff_max_s: Annotated[
         PositiveFloat, _env("CRS_WATCH_BACKOFF_MAX_S", "Cap of the watch retry wait")
     ] = 30.0
+    invariant_grace_s: Annotated[
+        Annotated[float, Meta(ge=0)],
+        _env(
+            "CRS_INVARIANT_GRACE_S",
+            "How long one VM may be listed in more than one Reservation before the "
+            "allocation invariant monitor (watch mode) and `audit` report it "
+            "(Cortex's allocationGracePeriod)",
+        ),
+    ] = 900.0
     # --- HTTP, logs, lifecycle
     http_host: Annotated[
         NonEmpty, _env("CRS_HTTP_HOST", "Address of the HTTP server (/metrics, /healthz, /readyz)")

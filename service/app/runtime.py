@@ -28,11 +28,13 @@ import structlog
 from aiokafka import errors as kafka_errors
 
 from service import backoff
+from service.app.audit import watch_invariants
 from service.app.config import Config, ConfigError
 from service.app.http import HealthChecks, HttpServer, LoopWatchdog
 from service.app.kafka_access import KafkaAccessDenied
 from service.app.kafka_access import ensure_access as ensure_kafka_access
 from service.crs import Recorder
+from service.crs.invariants import KINDS
 from service.crs.ports import ApiError
 from service.k8s import K8sMetrics, KubeClient, ListClusterState
 from service.k8s.cache import WatchClusterState
@@ -75,6 +77,7 @@ class WatchOptions(TypedDict):
     stale_after_s: float
     backoff_base_s: float
     backoff_max_s: float
+    invariant_grace_s: float
 
 
 def stream_settings(c: Config) -> StreamSettings:
@@ -132,6 +135,7 @@ def watch_options(c: Config) -> WatchOptions:
         "stale_after_s": c.watch_stale_after_s,
         "backoff_base_s": c.watch_backoff_s,
         "backoff_max_s": c.watch_backoff_max_s,
+        "invariant_grace_s": c.invariant_grace_s,
     }
 
 
@@ -190,6 +194,10 @@ class Runtime:
         if front is None:
             self.metrics = StreamMetrics()
             self.k8s_metrics = K8sMetrics(self.metrics.registry)
+            if config.k8s_read_mode == "watch":
+                # Every kind at 0 from the first scrape on (the monitor sets them later).
+                for kind in KINDS:
+                    self.metrics.invariant_violations.labels(kind)
         else:
             self.metrics, self.k8s_metrics = front.metrics, front.k8s_metrics
             self.http, self.watchdog, self._watchdog_task = (
@@ -225,6 +233,13 @@ class Runtime:
         self._tasks.append(asyncio.create_task(self._health_monitor(), name="health-monitor"))
         await ensure_kafka_access(c)  # a missing ACL fails the start, named, not the loop
         state = await self._start_kube()
+        if isinstance(state, WatchClusterState):
+            self._tasks.append(
+                asyncio.create_task(
+                    watch_invariants(state.invariants, self.metrics.invariant_violations),
+                    name="invariant-monitor",
+                )
+            )
         recorder = Recorder(
             state,
             placement_counter=self.metrics.placement,

@@ -26,6 +26,7 @@ TUNED = {
     "CRS_WATCH_STALE_AFTER_S": "45",
     "CRS_WATCH_BACKOFF_S": "0.25",
     "CRS_WATCH_BACKOFF_MAX_S": "12",
+    "CRS_INVARIANT_GRACE_S": "60",
     "CRS_SHUTDOWN_TIMEOUT_S": "21",
 }
 
@@ -60,6 +61,7 @@ def test_watch_options_carry_the_watch_knobs() -> None:
         "stale_after_s": 45.0,
         "backoff_base_s": 0.25,
         "backoff_max_s": 12.0,
+        "invariant_grace_s": 60.0,
     }
     inspect.signature(WatchClusterState).bind(None, **opts)
 
