@@ -47,10 +47,10 @@ import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta, timezone
+from datetime import datetime
 from typing import Final, Literal
 
-from service.model import Reservation
+from service.model import CommittedResourceAllocation, Reservation
 
 __all__ = [
     "DEFAULT_GRACE_S",
@@ -72,7 +72,8 @@ _TEXT_LIMIT: Final = 64  # characters of an offending value quoted
 # Go's time.RFC3339 as metav1.Time parses it: a 'T', seconds, optional fraction, and an
 # offset (Z or ±hh:mm). Python's fromisoformat accepts far more (no offset, a space).
 _RFC3339: Final = re.compile(
-    r"(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})(?:\.(\d+))?(?:(Z)|([+-])(\d{2}):(\d{2}))"
+    r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:Z|[+-](?:[01]\d|2[0-3]):[0-5]\d)",
+    re.ASCII,
 )
 
 
@@ -105,23 +106,11 @@ class Violation:
 
 def parse_rfc3339(text: str) -> float | None:
     """Seconds since the epoch of an RFC 3339 timestamp, None when it is not one."""
-    m = _RFC3339.fullmatch(text)
-    if m is None:
+    if _RFC3339.fullmatch(text) is None:
         return None
-    year, month, day, hour, minute, second = (int(g) for g in m.group(1, 2, 3, 4, 5, 6))
-    frac = m.group(7)
-    micro = int((frac + "000000")[:6]) if frac else 0
-    if m.group(8):
-        tz = UTC
-    else:
-        oh, om = int(m.group(10)), int(m.group(11))
-        if oh > 23 or om > 59:
-            return None
-        offset = timedelta(hours=oh, minutes=om)
-        tz = timezone(-offset if m.group(9) == "-" else offset)
-    try:
-        return datetime(year, month, day, hour, minute, second, micro, tzinfo=tz).timestamp()
-    except ValueError:  # month 13, February 30, second 60
+    try:  # the shape is strict; fromisoformat (C) checks the ranges (month 13, second 60)
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
         return None
 
 
@@ -129,32 +118,56 @@ def _clip(text: str) -> str:
     return text if len(text) <= _TEXT_LIMIT else text[:_TEXT_LIMIT] + "..."
 
 
+_NO_ALLOCATIONS: Final[dict[str, CommittedResourceAllocation]] = {}
+_NO_VMS: Final[frozenset[str]] = frozenset()
+
+
 @dataclass(frozen=True, slots=True)
 class _Entry:
-    """What one CR Reservation contributes; ``created`` is per VM (None: no timestamp)."""
+    """What one CR Reservation contributes.
 
-    vms: frozenset[str]
-    created: dict[str, float | None]
+    ``allocations`` is the Reservation's own dict (the one the watch cache holds too: no
+    copy); ``bad_ts`` the VMs whose timestamp is missing or unparsable, so an update
+    parses only the timestamps that changed; ``created`` (``since="created"`` only) the
+    parsed time per VM, None when it has none.
+    """
+
+    allocations: dict[str, CommittedResourceAllocation]
+    bad_ts: frozenset[str]
+    created: dict[str, float | None] | None
     flags: dict[Kind, str]  # per-Reservation kinds in violation -> detail
 
 
-def _entry(r: Reservation) -> _Entry | None:
-    """The Reservation's contribution, O(its allocations); None when it is no CR slot."""
+def _entry(r: Reservation, previous: _Entry | None, keep_times: bool) -> _Entry | None:
+    """The Reservation's contribution, O(its allocations); None when it is no CR slot.
+
+    A timestamp equal to the one ``previous`` held for the same VM is not parsed again
+    (it is Python work of microseconds; a placement changes one entry of a slot).
+    """
     crr = r.spec.committed_resource_reservation
     if crr is None:
         return None
-    allocations = crr.allocations or {}
-    created: dict[str, float | None] = {}
+    allocations = crr.allocations or _NO_ALLOCATIONS
+    before = previous.allocations if previous is not None else _NO_ALLOCATIONS
+    was_bad = previous.bad_ts if previous is not None else frozenset()
+    created: dict[str, float | None] | None = {} if keep_times else None
+    bad: set[str] = set()
     malformed: list[str] = []
     total = largest = 0
     for vm, alloc in allocations.items():
         ts = alloc.creation_timestamp
-        when = parse_rfc3339(ts) if ts is not None else None
-        created[vm] = when
-        if ts is None:
-            malformed.append(f"{vm}: creationTimestamp missing")
-        elif when is None:
-            malformed.append(f"{vm}: creationTimestamp {_clip(ts)!r} is not RFC 3339")
+        held = before.get(vm)
+        if created is None and held is not None and held.creation_timestamp == ts:
+            if vm in was_bad:
+                bad.add(vm)
+                malformed.append(_bad_ts(vm, ts))
+        else:
+            when = parse_rfc3339(ts) if ts is not None else None
+            if created is not None:
+                created[vm] = when
+            if when is None:
+                bad.add(vm)
+                malformed.append(_bad_ts(vm, ts))
         memory = alloc.resources.get("memory")
         if memory is None:
             malformed.append(f"{vm}: memory missing")
@@ -163,7 +176,8 @@ def _entry(r: Reservation) -> _Entry | None:
         if value < 0:
             malformed.append(f"{vm}: memory {_clip(str(memory))} is negative")
         total += value
-        largest = max(largest, value)
+        if value > largest:
+            largest = value
     flags: dict[Kind, str] = {}
     if allocations:
         block_q = (r.spec.resources or {}).get("memory")
@@ -179,7 +193,13 @@ def _entry(r: Reservation) -> _Entry | None:
         flags[Kind.ALLOCATION_MALFORMED] = "; ".join(malformed[:_DETAIL_LIMIT]) + (
             f"; and {more} more" if more > 0 else ""
         )
-    return _Entry(frozenset(allocations), created, flags)
+    return _Entry(allocations, frozenset(bad) if bad else _NO_VMS, created, flags)
+
+
+def _bad_ts(vm: str, ts: str | None) -> str:
+    if ts is None:
+        return f"{vm}: creationTimestamp missing"
+    return f"{vm}: creationTimestamp {_clip(ts)!r} is not RFC 3339"
 
 
 class InvariantIndex:
@@ -228,19 +248,20 @@ class InvariantIndex:
     def put(self, r: Reservation) -> None:
         """The current version of ``r`` (replacing what the index held under its name)."""
         name = r.name
-        entry = _entry(r)
+        previous = self._entries.get(name)
+        entry = _entry(r, previous, self._since == "created")
         if entry is None:
             self.remove(name)
             return
         if self._undecodable.pop(name, None) is not None:
             self._changed.add(Kind.ALLOCATION_MALFORMED)
-        previous = self._entries.get(name)
         self._entries[name] = entry
-        before = previous.vms if previous is not None else frozenset()
-        if before != entry.vms:
-            for vm in before - entry.vms:
+        before = (previous.allocations if previous is not None else _NO_ALLOCATIONS).keys()
+        after = entry.allocations.keys()
+        if before != after:
+            for vm in before - after:
                 self._vm_remove(vm, name)
-            for vm in entry.vms - before:
+            for vm in after - before:
                 self._vm_add(vm, name)
         self._set_flags(name, previous.flags if previous is not None else {}, entry.flags)
 
@@ -251,7 +272,7 @@ class InvariantIndex:
         previous = self._entries.pop(name, None)
         if previous is None:
             return
-        for vm in previous.vms:
+        for vm in previous.allocations:
             self._vm_remove(vm, name)
         self._set_flags(name, previous.flags, {})
 
@@ -326,10 +347,13 @@ class InvariantIndex:
             return self._dup_since[vm]
         held = self._slots[vm]
         assert isinstance(held, set)
-        times = sorted(
-            -float("inf") if (t := self._entries[n].created.get(vm)) is None else t for n in held
-        )
+        times = sorted(self._created(n, vm) for n in held)
         return times[1]
+
+    def _created(self, name: str, vm: str) -> float:
+        created = self._entries[name].created
+        when = created.get(vm) if created is not None else None
+        return -float("inf") if when is None else when  # no timestamp: counts as old
 
     def _check_vm(self, vm: str, now: float | None = None) -> None:
         over = (self._clock() if now is None else now) - self._started(vm) >= self._grace

@@ -286,3 +286,18 @@ def test_an_update_touches_only_that_objects_entries() -> None:
     assert index.touched == 0
     index.remove("r-8")
     assert index.touched == 4
+
+
+def test_an_update_keeps_the_verdict_on_unchanged_timestamps_and_rechecks_changed_ones() -> None:
+    index = InvariantIndex()
+    index.put(res("a", {"vm-1": alloc(ts="bad"), "vm-2": alloc()}))
+    index.put(res("a", {"vm-1": alloc(ts="bad"), "vm-2": alloc(), "vm-3": alloc()}, rv="2"))
+    (v,) = index.violations(Kind.ALLOCATION_MALFORMED)
+    assert "vm-1" in v.detail
+    index.put(res("a", {"vm-1": alloc(), "vm-2": alloc(ts="worse"), "vm-3": alloc()}, rv="3"))
+    (v,) = index.violations(Kind.ALLOCATION_MALFORMED)
+    assert "vm-2" in v.detail
+    assert "vm-1" not in v.detail
+    index.put(res("a", {"vm-1": alloc(), "vm-2": alloc(), "vm-3": alloc()}, rv="4"))
+    assert index.counts()[Kind.ALLOCATION_MALFORMED] == 0
+    assert parse_rfc3339("\uff12026-01-01T00:00:00Z") is None  # a non-ASCII digit
