@@ -84,3 +84,24 @@ def test_audit_counts_the_grace_from_the_timestamps_and_includes_undecodable_one
     )
     assert [v.object for v in index.violations(Kind.VM_IN_MULTIPLE_SLOTS)] == ["vm-old"]
     assert [v.object for v in index.violations(Kind.ALLOCATION_MALFORMED)] == ["d"]
+
+
+def test_every_kind_is_at_zero_from_the_start_in_watch_mode_and_absent_in_list_mode() -> None:
+    from prometheus_client import generate_latest
+
+    from service.app.config import Config
+    from service.app.runtime import Runtime
+
+    def series(mode: str) -> list[str]:
+        registry = Runtime(Config.load(env={"CRS_K8S_READ_MODE": mode})).metrics.registry
+        text = generate_latest(registry).decode()
+        return [
+            line
+            for line in text.splitlines()
+            if line.startswith("crs_allocation_invariant_violations{")
+        ]
+
+    assert sorted(series("watch")) == sorted(
+        f'crs_allocation_invariant_violations{{kind="{k}"}} 0.0' for k in KINDS
+    )
+    assert series("list") == []  # no monitor without the watch cache: no claim of 0
