@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import aiohttp
@@ -350,3 +351,39 @@ async def test_a_backlog_taken_over_reads_its_placements_hosts_fresh_and_live_ev
         outputs = await e2e.read_all(boot, topics["output"], 4, timeout_s=30)
         assert [e2e.data_of(r)["cr_slot"] for r in outputs[2:]] == ["slot_used", "slot_used"]
         assert (await e2e.metrics_at(runtime.http.port)).get(gets, 0.0) == read
+
+
+async def test_a_late_outcome_is_stamped_with_its_placement_time_and_a_replay_writes_nothing(
+    devstack: DevStack, clean_k8s: Any, topics: dict[str, str]
+) -> None:
+    # Cortex's reservation controller counts its 15-minute grace from an allocation's
+    # creationTimestamp. An outcome processed two hours late (lag, catch-up, a new group)
+    # gets the placement's time, so Cortex checks the VM at its next reconcile instead of
+    # holding the slot's memory for it for a fresh grace period. A producer clock ahead
+    # of ours is clamped to now.
+    await e2e.seed_region(clean_k8s)
+    now = datetime.now(UTC)
+    placed = (now - timedelta(hours=2)).replace(microsecond=0)
+    late, decision, request = e2e.outcome("hv-1", ["hv-1"])
+    ahead, decision_ahead, request_ahead = e2e.outcome("hv-1", ["hv-1"])
+    records = [
+        e2e.good_record(late, decision, request, time=placed, event_id="late-1"),
+        e2e.good_record(ahead, decision_ahead, request_ahead, time=now + timedelta(hours=1)),
+        # The same outcome again (a redrive, a replay after a takeover): nothing is written.
+        e2e.good_record(late, decision, request, time=placed, event_id="late-1"),
+    ]
+    async with e2e.running(e2e.config(devstack, topics)) as runtime:
+        await e2e.publish(devstack.kafka_bootstrap, topics["input"], records)
+        await wait_processed(runtime, len(records))
+        done = datetime.now(UTC)
+    outputs = await e2e.read_all(devstack.kafka_bootstrap, topics["output"], 3, partitions=2)
+    statuses = sorted(
+        (e2e.data_of(r)["instance_uuid"] == late, e2e.data_of(r)["allocation"]) for r in outputs
+    )
+    assert statuses == [(False, "written"), (True, "already_present"), (True, "written")]
+    slot = await f.get(clean_k8s, "reservations", "slot-p1-hv1")
+    allocations = slot["spec"]["committedResourceReservation"]["allocations"]
+    assert set(allocations) == {late, ahead}
+    assert allocations[late]["creationTimestamp"] == placed.strftime("%Y-%m-%dT%H:%M:%SZ")
+    stamped = datetime.strptime(allocations[ahead]["creationTimestamp"], "%Y-%m-%dT%H:%M:%S%z")
+    assert now.replace(microsecond=0) <= stamped <= done
