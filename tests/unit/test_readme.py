@@ -193,6 +193,26 @@ def test_the_charts_pointer_to_the_access_page_resolves() -> None:
     assert anchor in _anchors((REPO / path).read_text())
 
 
+def test_pointers_into_the_docs_from_charts_and_manifests_resolve() -> None:
+    # Runbook links of the alert rules (deploy/monitoring, the chart's alerts/), the
+    # chart's annotations and the comments that send an operator to a page.
+    files = [
+        f
+        for top in ("charts", "deploy")
+        for f in sorted((REPO / top).rglob("*"))
+        if f.is_file() and f.suffix in {".yaml", ".yml", ".tpl", ".env", ".json", ".md"}
+    ]
+    seen = 0
+    for f in files:
+        for path, anchor in re.findall(r"\b(docs/[\w/.-]+\.md)(?:#([\w-]+))?", f.read_text()):
+            seen += 1
+            target = REPO / path
+            assert target.exists(), f"{f.relative_to(REPO)}: {path} does not exist"
+            if anchor:
+                assert anchor in _anchors(target.read_text()), f"{f.relative_to(REPO)}: #{anchor}"
+    assert seen >= 3 * 17  # every alert's runbook_url in three rule files, and the comments
+
+
 def test_the_generated_tables_are_current() -> None:
     # Settings, metrics and alerts tables are what tools/docs_tables.py writes from the
     # code and the rules; a new setting, metric or alert needs `make docs-tables`.
