@@ -1,4 +1,5 @@
-"""The alerting rules, the PrometheusRule, the runbooks and the dashboard agree.
+"""The alerting rules, the PrometheusRule, the kustomize base, the runbooks and the
+dashboard agree.
 
 ``promtool check rules`` and ``promtool test rules`` run on the shipped files; every
 alert must have a unit test that fires it and one where it stays quiet, and a runbook
@@ -83,8 +84,29 @@ def test_every_alert_has_a_firing_and_a_quiet_unit_test() -> None:
         "CrsCommitFailures",
         "CrsProducerFenced",
         "CrsAllocationFailures",
+        "CrsNoPartitionsOwned",
     }
     assert required <= names
+
+
+def test_no_partitions_owned_uses_the_services_own_series() -> None:
+    families = _registered_families()
+    (alert,) = [a for a in _alerts() if a["alert"] == "CrsNoPartitionsOwned"]
+    for name in re.findall(r"\b(crs_\w+)", alert["expr"]):
+        assert name in families, name
+    assert "crs_assigned_partitions" in alert["expr"]
+    assert "crs_ready" in alert["expr"]
+
+
+def test_the_kustomize_base_ships_the_rules() -> None:
+    """The dashboard's recording-rule panels need the rules where the base is deployed."""
+    from tests.unit.test_packaging import NAMESPACE, kustomize_build
+
+    (rule,) = [d for d in kustomize_build(REPO / "deploy") if d["kind"] == "PrometheusRule"]
+    assert rule["metadata"]["namespace"] == NAMESPACE
+    assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
+    records = {r["record"] for g in rule["spec"]["groups"] for r in g["rules"] if "record" in r}
+    assert {"crs:events:rate5m", "crs:placement_slot_used:ratio5m"} <= records
 
 
 def _anchors(markdown: str) -> set[str]:
