@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint unit integration devstack-up devstack-down bench bench-engine venv clean
+.PHONY: test demo lint docs docs-tables unit integration devstack-up devstack-down bench bench-engine venv clean
 
 venv: $(STAMP)
 
@@ -24,6 +24,22 @@ lint: $(STAMP)
 	$(BIN)/ruff check service tests bench tools
 	$(BIN)/ruff format --check service tests bench tools
 	$(BIN)/mypy
+	$(MKDOCS) build --strict --quiet --site-dir $(SITE)
+
+# The documentation site (mkdocs.yml, docs/): built strictly, so a broken link or anchor
+# fails; `make lint`, and so `make test`, builds it too. Preview while writing:
+#   .venv/bin/mkdocs serve -a 127.0.0.1:8000
+# NO_MKDOCS_2_WARNING: mkdocs-material prints a banner about MkDocs 2 on every build.
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs
+SITE := site
+
+docs: $(STAMP)
+	$(MKDOCS) build --strict --site-dir $(SITE)
+
+# Rewrites the docs' generated tables (settings, metrics, alerts) from the code after a
+# setting, metric or alert changed; tests/unit/test_readme.py fails until it was run.
+docs-tables: $(STAMP)
+	$(BIN)/python tools/docs_tables.py
 
 # Unit and integration tests; the integration tests bring the dev stack up themselves
 # (tests/conftest.py runs devstack/up), so nothing else has to be started first.

@@ -47,8 +47,19 @@ async def all_or_none(reads: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
 
 
 async def _cancelled(tasks: Sequence[asyncio.Future[Any]]) -> None:
+    """Cancel what still runs, wait for it, and retrieve every failure but the one raised.
+
+    The others are deliberately consumed: several reads of one event fail together (a
+    paused or frozen API server times them all out), and one not retrieved is logged by
+    asyncio at error level as "Task exception was never retrieved" when it is collected.
+    Finally too, so a cancel of the caller during the wait does not skip it."""
     pending = [t for t in tasks if not t.done()]
     for task in pending:
         task.cancel()
-    if pending:
-        await asyncio.wait(pending)
+    try:
+        if pending:
+            await asyncio.wait(pending)
+    finally:
+        for task in tasks:
+            if task.done() and not task.cancelled():
+                task.exception()

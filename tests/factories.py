@@ -177,5 +177,15 @@ async def get(api: Any, plural: str, name: str) -> dict[str, Any]:
     return obj
 
 
+async def merge_patch(api: Any, plural: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+    """An unguarded merge patch, as another writer (an operator, a controller) sends it."""
+    g, v, p = PLURAL_TO_GVP[plural]
+    co = client.CustomObjectsApi(api)
+    obj: dict[str, Any] = await co.patch_cluster_custom_object(
+        g, v, p, name, patch, _content_type="application/merge-patch+json"
+    )
+    return obj
+
+
 def dumps(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True)

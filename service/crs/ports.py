@@ -99,6 +99,16 @@ class ClusterState(Protocol):
         """A fresh read of one Reservation; None when it no longer exists."""
         ...
 
+    async def fence_reservation(self, reservation: Reservation) -> Reservation:
+        """Give ``reservation`` a new resourceVersion, changing nothing the slot means.
+
+        Guarded like :meth:`patch_allocation` (raises :class:`ConflictError` when the
+        object changed since ``reservation`` was read, :class:`NotFoundError` when it was
+        deleted). Once it succeeds, no write guarded by an older version of this slot can
+        land, however late it reaches the API server. Returns the updated object.
+        """
+        ...
+
     async def patch_allocation(
         self,
         reservation: Reservation,

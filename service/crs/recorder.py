@@ -38,7 +38,13 @@ from service.crs.flavors import (
 )
 from service.crs.intent import resolve_intent
 from service.crs.outcome import AllocationStatus, Outcome, OutcomeKind
-from service.crs.ports import ClusterState, ConflictError, NotFoundError, Snapshot
+from service.crs.ports import (
+    ClusterState,
+    ConflictError,
+    NotFoundError,
+    Snapshot,
+    UnavailableError,
+)
 from service.model import Decision, ExternalSchedulerRequest, Knowledge, Reservation
 from service.quantity import format_binary_si, format_decimal_si
 from service.tasks import all_or_none
@@ -189,28 +195,50 @@ class Recorder:
         )
 
     async def record(
-        self, decision: Decision, request: ExternalSchedulerRequest, *, replay: bool = False
+        self,
+        decision: Decision,
+        request: ExternalSchedulerRequest,
+        *,
+        replay: bool = False,
+        placed_at: datetime | None = None,
     ) -> Outcome:
         """Dispatch on the decision: a target host is a placement, none is no-host-found.
 
         As in the reference, only an absent/null target is "no host found"; "" is a
         placement (onto the host named ""), so the skip option applies to it. ``replay``:
-        the event may have been handled before (see :meth:`record_placement`).
+        the event may have been handled before; ``placed_at``: when the placement
+        happened (see :meth:`record_placement`).
         """
         if decision.result.target_host is None:
             return await self.record_no_host_found(decision, request)
-        return await self.record_placement(decision, request, replay=replay)
+        return await self.record_placement(decision, request, replay=replay, placed_at=placed_at)
 
     # --- placement ------------------------------------------------------------------
 
     async def record_placement(
-        self, decision: Decision, request: ExternalSchedulerRequest, *, replay: bool = False
+        self,
+        decision: Decision,
+        request: ExternalSchedulerRequest,
+        *,
+        replay: bool = False,
+        placed_at: datetime | None = None,
     ) -> Outcome:
         """Classify and count a successful placement; claim a slot when it is slot_used.
 
         ``replay``: the event may have been handled before, by a replica that has since
-        lost its partition or died, whose write this state may not show yet (a cache).
-        The candidate slots are then read fresh before one is claimed.
+        lost its partition or died, whose write may not be visible yet or may still be
+        in flight. The candidate slots are then fenced before one is claimed (see
+        :meth:`_claim_slot`).
+
+        ``placed_at``: when Nova placed the VM (the outcome's CloudEvents ``time``). The
+        allocation's ``creationTimestamp`` is that moment, clamped to the clock when the
+        producer's clock is ahead; None (no time in the event) stamps the clock. Cortex's
+        reservation controller counts its grace period from this stamp (it leaves a
+        younger unconfirmed allocation alone, then drops it unless the VM is on the
+        host): the reference stamps ``metav1.Now()`` in-process at the placement, and a
+        late-processed outcome stamped with the processing time would re-add a VM that
+        Cortex already removed with a fresh grace period, holding the slot's memory
+        for it meanwhile.
 
         Raises :class:`~service.crs.ports.ApiError` when the cluster cannot be read (or
         the write fails for a reason other than a resolvable conflict): the caller
@@ -298,7 +326,7 @@ class Recorder:
             vm_mem = match.vm_memory_bytes
             log = log.bind(flavor_group=group, cr_slot=cr_slot)
             allocation: dict[str, object] = {
-                "creationTimestamp": rfc3339(self._clock()),
+                "creationTimestamp": rfc3339(self._placement_time(placed_at)),
                 "resources": {
                     # The reference's NewQuantity(n, BinarySI / DecimalSI) canonical text.
                     "memory": format_binary_si(vm_mem),
@@ -372,17 +400,21 @@ class Recorder:
             del self._unsettled[key]
             unsettled = None
         current = list(slots)
-        if replay and unsettled is None and self._state.from_cache:
-            # Another replica may have written this VM before it lost the partition or
-            # died, and a watch cache may not show that write yet (reconnecting, or the
-            # milliseconds of delivery after a rebalance). Decided on the cache, the
-            # replay could pick a sibling slot that the guard lets through: the VM in
-            # two slots (found by review). So the candidate slots are read fresh first,
-            # by name (not every slot on the host: a backlog's replays took twice as long
-            # to drain with those GETs); a list-mode snapshot is fresh already.
-            current = await self._reread(current, target, project_id, flavor_group)
         conflicts = 0
         deadline = self._monotonic() + self._conflict_timeout_s
+        if replay:
+            # The partition's previous owner may have written this VM (a watch cache may
+            # not show it yet), or its write may still be on its way: a paused process, a
+            # held connection, a slow API server. Decided on what is visible now, the
+            # replay could pick a sibling slot and the late write still land on the slot
+            # it was guarded for: the VM in two slots. Fencing every candidate first
+            # settles both: the fences' answers are fresh reads (a write that landed is
+            # seen), and a write guarded by an older version can no longer land. Only the
+            # candidates, not every slot on the host: a backlog's replays took twice as
+            # long to drain with reads of every slot.
+            current = await self._fence(
+                current, target, project_id, flavor_group, deadline=deadline, log=log
+            )
         while True:
             chosen: Reservation | None = None  # set: re-send the unsettled write
             body = allocation
@@ -479,6 +511,51 @@ class Recorder:
         on_host = await self._state.reservations_on_host(target)
         return [r for r in on_host if _matches(r, target, project_id, flavor_group)]
 
+    async def _fence(
+        self,
+        slots: Sequence[Reservation],
+        target: str,
+        project_id: str,
+        flavor_group: str,
+        *,
+        deadline: float,
+        log: structlog.typing.FilteringBoundLogger,
+    ) -> list[Reservation]:
+        """``slots`` fenced (see :meth:`ClusterState.fence_reservation`), as the fences
+        returned them, those still slots of ``project_id``'s ``flavor_group`` on
+        ``target``; one failed fence cancels the rest.
+
+        A fence refused because the slot changed is retried on a fresh read: every
+        candidate must be fenced, whatever else writes to it meanwhile (Cortex, other
+        replicas). Past ``deadline`` the event fails as an outage, to be retried whole.
+        """
+
+        async def fence(slot: Reservation) -> Reservation | None:
+            refused = 0
+            while True:
+                try:
+                    return await self._state.fence_reservation(slot)
+                except NotFoundError:
+                    return None  # deleted: nothing can land on it any more
+                except ConflictError:
+                    refused += 1
+                    if self._monotonic() >= deadline:
+                        raise UnavailableError(
+                            f"reservation {slot.name!r} kept changing while being fenced",
+                            kind="reservations",
+                        ) from None
+                    await asyncio.sleep(self._backoff(refused))
+                fresh = await self._state.get_reservation(slot.name)
+                if fresh is None:
+                    return None
+                slot = fresh
+
+        fenced = await all_or_none([fence(s) for s in slots])
+        log.debug("candidates_fenced", slots=len(slots))
+        return [
+            r for r in fenced if r is not None and _matches(r, target, project_id, flavor_group)
+        ]
+
     async def _reread(
         self, slots: Sequence[Reservation], target: str, project_id: str, flavor_group: str
     ) -> list[Reservation]:
@@ -502,6 +579,15 @@ class Recorder:
         if lock is None:
             lock = self._host_locks[host] = asyncio.Lock()
         return lock
+
+    def _placement_time(self, placed_at: datetime | None) -> datetime:
+        """``placed_at``, or the clock when it is absent or ahead of the clock."""
+        now = self._clock()
+        if placed_at is None:
+            return now
+        if placed_at.tzinfo is None:  # the input schema requires an offset; fakes may not
+            placed_at = placed_at.replace(tzinfo=UTC)
+        return min(placed_at, now)
 
     def _backoff(self, conflicts: int) -> float:
         base = backoff.exponential(conflicts, self._backoff_s, self._backoff_max_s)

@@ -308,6 +308,12 @@ class WatchClusterState(ClusterState):
             self.reservations.apply(fresh)
         return fresh
 
+    async def fence_reservation(self, reservation: Reservation) -> Reservation:
+        """The guarded fence, its answer applied to the cache (a fresh read, in effect)."""
+        fenced = await self._client.fence_reservation(reservation)
+        self.reservations.apply(fenced)
+        return fenced
+
     async def patch_allocation(
         self,
         reservation: Reservation,

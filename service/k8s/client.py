@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ from service.model import (
 __all__ = [
     "COMMITTED_RESOURCES",
     "CR_RESERVATION_SELECTOR",
+    "FENCE_ANNOTATION",
     "HYPERVISORS",
     "KNOWLEDGES",
     "RESERVATIONS",
@@ -77,6 +79,8 @@ Obj = TypeVar("Obj", bound=K8sObject)
 _log = structlog.get_logger(__name__)
 
 MERGE_PATCH: Final = "application/merge-patch+json"
+# Set by fence_reservation to a new random token each time; its value means nothing.
+FENCE_ANNOTATION: Final = "crs-consumer.cortex.cloud/fence"
 DEFAULT_PAGE_SIZE: Final = 500
 # A continue token expires after ~5-15 minutes (HTTP 410); restart the list this often.
 _MAX_LIST_RESTARTS: Final = 2
@@ -257,6 +261,11 @@ def _explanation(status: _Status) -> str:
     return (status.message or status.reason)[:_STATUS_MESSAGE_LIMIT]
 
 
+def _token() -> str:
+    """A fence token: random, so that each fence really changes the object."""
+    return secrets.token_hex(8)
+
+
 def _status_message(body: bytes) -> str:
     return _explanation(_status_of(body))
 
@@ -407,6 +416,21 @@ class KubeClient:
         except NotFoundError:
             return None
 
+    async def fence_reservation(self, reservation: Reservation) -> Reservation:
+        """A guarded merge patch that sets only :data:`FENCE_ANNOTATION` to a new token.
+
+        The point is the new resourceVersion it gives the object (a patch that changed
+        nothing would keep the old one): every write still in flight that was guarded by
+        an older version now fails its precondition. Cortex reads no annotation of ours.
+        Raises ConflictError (409) or NotFoundError (404).
+        """
+        name = reservation.name
+        rv = reservation.metadata.resource_version
+        if not name or not rv:
+            raise ValueError("fence_reservation needs a Reservation read from the API server")
+        body = {"metadata": {"resourceVersion": rv, "annotations": {FENCE_ANNOTATION: _token()}}}
+        return await self._merge_patch(name, body)
+
     async def patch_allocation(
         self,
         reservation: Reservation,
@@ -428,6 +452,9 @@ class KubeClient:
             "metadata": {"resourceVersion": rv},
             "spec": {"committedResourceReservation": {"allocations": {instance_uuid: allocation}}},
         }
+        return await self._merge_patch(name, body)
+
+    async def _merge_patch(self, name: str, body: dict[str, Any]) -> Reservation:
         raw = await self._request(
             "patch",
             RESERVATIONS,

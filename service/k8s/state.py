@@ -60,6 +60,9 @@ class ListClusterState(ClusterState):
     async def get_reservation(self, name: str) -> Reservation | None:
         return await self._client.get_reservation(name)
 
+    async def fence_reservation(self, reservation: Reservation) -> Reservation:
+        return await self._client.fence_reservation(reservation)
+
     async def patch_allocation(
         self,
         reservation: Reservation,

@@ -469,7 +469,9 @@ class Processor:
         request = event.data.request
         bound.event_id, bound.instance_uuid = event.id, request.instance_uuid
         try:
-            outcome = await self._recorder.record(event.data.decision, request, replay=replay)
+            outcome = await self._recorder.record(
+                event.data.decision, request, replay=replay, placed_at=event.time
+            )
             encoded = encode_output(event, ref, outcome)
         except ApiError as exc:
             # 401/403 is a deployment problem (RBAC, credentials) that an operator fixes:

@@ -77,6 +77,7 @@ class InMemoryClusterState(ClusterState):
         self.read_error: ApiError | None = None
         self.calls: Counter[str] = Counter()
         self.patch_results: Counter[str] = Counter()
+        self.fence_results: Counter[str] = Counter()
         self.resource_version = "0"
         self._patches = 0
 
@@ -142,6 +143,25 @@ class InMemoryClusterState(ClusterState):
         await self._read()
         obj = self._objects.get(("Reservation", name))
         return from_k8s(obj, Reservation) if obj is not None else None
+
+    async def fence_reservation(self, reservation: Reservation) -> Reservation:
+        """The guarded fence: a new resourceVersion, nothing else that a slot means."""
+        self.calls["fence_reservation"] += 1
+        name, rv = reservation.name, reservation.metadata.resource_version
+        await asyncio.sleep(0)  # a request is a suspension point
+        stored = self._objects.get(("Reservation", name))
+        if stored is None:
+            raise NotFoundError(f"reservations {name!r} not found", status=404, kind="reservations")
+        if stored["metadata"]["resourceVersion"] != rv:
+            self.fence_results["409"] += 1
+            raise ConflictError(
+                f"reservations {name!r}: the object has been modified",
+                status=409,
+                kind="reservations",
+            )
+        self._bump(stored)
+        self.fence_results["200"] += 1
+        return from_k8s(stored, Reservation)
 
     async def patch_allocation(
         self, reservation: Reservation, instance_uuid: str, allocation: dict[str, object]

@@ -68,6 +68,9 @@ class FakeKube:
     async def get_reservation(self, name: str) -> Reservation | None:
         return await self.cluster.get_reservation(name)
 
+    async def fence_reservation(self, reservation: Reservation) -> Reservation:
+        return await self.cluster.fence_reservation(reservation)
+
     async def patch_allocation(
         self, reservation: Reservation, instance_uuid: str, allocation: dict[str, object]
     ) -> Reservation:

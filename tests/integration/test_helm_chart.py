@@ -4,19 +4,25 @@ server-side dry-run of the rendered objects against the dev stack's API server.
 helm is the project's own build (devstack/helm: Go modules, cached). The dry-run is a
 server-side apply with ``dryRun=All`` of every rendered object into a namespace that
 enforces Pod Security ``restricted``: schema validation, defaulting and admission run,
-nothing is stored. The Prometheus Operator's kinds are not part of the dev stack; unless
-their CRDs are already installed, the test registers minimal stand-ins (any spec
-accepted), so those two objects are then checked for kind, apiVersion, scope and
-metadata only; their content is checked by the template tests here.
+nothing is stored. Strimzi's KafkaUser and KafkaTopic are checked against Strimzi's real
+CRDs (devstack/strimzi-crds, installed into the dev stack by the test). The Prometheus
+Operator's kinds are not part of the dev stack; unless their CRDs are already installed,
+the test registers minimal stand-ins (any spec accepted), so those two objects are then
+checked for kind, apiVersion, scope and metadata only; their content is checked by the
+template tests here, and the rules as rendered pass promtool's unit tests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
+import os
+import re
 import shutil
 import ssl
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,22 +30,42 @@ import aiohttp
 import pytest
 import yaml
 
-from service.app.config import SETTINGS
+from service.app.config import SETTINGS, Config
+from service.app.kafka_access import required_acls
 from tests.conftest import REPO, DevStack
+from tests.prometheus import MONITORING, promtool
+from tests.unit.test_monitoring import _anchors
 
 CHART = REPO / "charts" / "crs-consumer"
 HELM = REPO / "devstack" / "helm"
 NAMESPACE = "crs-chart-test"  # fixed: without a controller-manager namespaces never go away
 
+RUNBOOKS = "https://git.example/cortex/crs-consumer/blob/v1/docs/runbooks.md"
+KAFKA_NAMESPACE = "crs-chart-test-kafka"  # where a Strimzi set-up keeps KafkaUser/Topics
+BASE = ["--set", f"alerts.runbookBase={RUNBOOKS}"]
+
 # Value sets an operator would use (each also linted).
 VALUE_SETS: dict[str, list[str]] = {
-    "default": [],
+    "default": BASE,
+    "strimzi-sasl": [
+        *BASE,
+        "--set", "strimzi.kafkaUser.create=true",
+        "--set", "strimzi.topics.create=true",
+        "--set", "strimzi.topics.input=true",
+        "--set", f"strimzi.namespace={KAFKA_NAMESPACE}",
+        "--set", "strimzi.topics.config.retention\\.ms=604800000",
+        "--set-string",
+        "strimzi.kafkaUser.secretMetadata.annotations.replicator\\.v1\\.mittwald\\.de/replicate-to="
+        + NAMESPACE,
+    ],
     "mtls": [
+        *BASE,
         "--set", "kafka.securityProtocol=SSL",
         "--set", "kafka.tls.caSecret.name=kafka-cluster-ca-cert",
         "--set", "kafka.tls.clientCertSecret.name=crs-consumer",
         "--set", "kafka.tls.keyPasswordSecret.name=crs-consumer-key-password",
         "--set", "image.digest=sha256:" + "ab" * 32,
+        "--set", "strimzi.kafkaUser.create=true",
     ],
     "plain-single": [
         "--set", "kafka.securityProtocol=PLAINTEXT",
@@ -59,9 +85,15 @@ def helm(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
 
 
 def render(*values: str, chart: Path = CHART) -> list[dict[str, Any]]:
-    proc = helm("template", "crs", str(chart), "--namespace", NAMESPACE, *values)
+    """The rendered objects; alerts.runbookBase (required) is RUNBOOKS unless ``values``
+    set it otherwise."""
+    proc = helm("template", "crs", str(chart), "--namespace", NAMESPACE, *BASE, *values)
     assert proc.returncode == 0, proc.stderr
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def of_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
 
 
 def by_kind(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -151,12 +183,15 @@ def test_secrets_come_from_existing_secrets_as_files(helm_built: None, name: str
     assert not set(data) & secrets, "a secret value in the ConfigMap"
     spec = pod_spec(docs)
     (container,) = spec["containers"]
-    assert "env" not in container, "settings come from the ConfigMap, secrets from files"
+    # Settings come from the ConfigMap, secrets from files; the only env entry is
+    # prometheus-client's own switch (test_created_series_are_switched_off_in_the_pods).
+    assert [e["name"] for e in container["env"]] == ["PROMETHEUS_DISABLE_CREATED_SERIES"]
     assert container["args"] == ["run"]
     files = {k: v for k, v in data.items() if k.endswith(("_FILE", "FILE"))}
     expected = {
         "default": {
             "KAFKA_SASL_PASSWORD_FILE": ("crs-consumer", "password"),
+            "KAFKA_SSL_CAFILE": ("kafka-cluster-ca-cert", "ca.crt"),
         },
         "mtls": {
             "KAFKA_SSL_CAFILE": ("kafka-cluster-ca-cert", "ca.crt"),
@@ -171,7 +206,7 @@ def test_secrets_come_from_existing_secrets_as_files(helm_built: None, name: str
 
 
 def test_sasl_without_a_password_secret_fails_to_render(helm_built: None) -> None:
-    proc = helm("template", "crs", str(CHART), "--set", "kafka.sasl.passwordSecret.name=")
+    proc = helm("template", "crs", str(CHART), *BASE, "--set", "kafka.sasl.passwordSecret.name=")
     assert proc.returncode != 0
     assert "kafka.sasl.passwordSecret.name is required" in proc.stderr
 
@@ -205,74 +240,383 @@ def test_a_config_change_rolls_the_pods_and_nothing_else_does(helm_built: None) 
     assert checksum("--set", "replicaCount=3") == base  # scaling is not a config change
 
 
-def test_network_policy_admits_only_monitoring_to_the_metrics_port(helm_built: None) -> None:
+def test_network_policy_admits_scrapes_by_namespace_label(helm_built: None) -> None:
     policy = by_kind(render())["NetworkPolicy"]["spec"]
     assert policy["policyTypes"] == ["Ingress", "Egress"]
     (ingress,) = policy["ingress"]
     assert ingress["ports"] == [{"port": 8080, "protocol": "TCP"}]
-    (peer,) = ingress["from"]
-    assert peer == {
-        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
-    }
+    # Cortex's own NetworkPolicy admits scrapes from namespaces labelled metrics: enabled
+    # (a namespace named `monitoring` may not exist there).
+    assert ingress["from"] == [{"namespaceSelector": {"matchLabels": {"metrics": "enabled"}}}]
     egress_ports = [sorted(p["port"] for p in rule["ports"]) for rule in policy["egress"]]
     assert egress_ports == [[9092, 9093], [443, 6443], [53, 53]]
     assert policy["egress"][0]["to"] == [
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kafka"}}}
     ]
-
-
-def test_prometheus_rule_takes_the_charts_rule_files_verbatim(
-    helm_built: None, tmp_path: Path
-) -> None:
-    # The chart ships the service's alert rules (copied from deploy/monitoring/rules.yaml).
-    shipped = by_kind(render())["PrometheusRule"]
-    assert shipped["metadata"]["labels"]["prometheus"] == "kubernetes"
-    assert shipped["metadata"]["labels"]["type"] == "alerting-rules"
-    source = yaml.safe_load((REPO / "deploy" / "monitoring" / "rules.yaml").read_text())
-    assert shipped["spec"]["groups"] == source["groups"]
-    # The runbook links are relative to the repository unless alerts.runbookBase says
-    # where it is served: then every one is absolute (they went nowhere in Alertmanager).
-    base = "https://git.example/cortex/crs-consumer/blob/v1/"
-    linked = by_kind(render("--set", f"alerts.runbookBase={base}"))["PrometheusRule"]
-    urls = [
-        rule["annotations"]["runbook_url"]
-        for group in linked["spec"]["groups"]
-        for rule in group["rules"]
-        if "runbook_url" in rule.get("annotations", {})
+    # The peers are configurable ...
+    custom = by_kind(
+        render(
+            "--set", "networkPolicy.metrics.from[0].namespaceSelector.matchLabels.team=obs",
+            "--set", "networkPolicy.metrics.from[0].podSelector.matchLabels.app=prometheus",
+        )
+    )["NetworkPolicy"]["spec"]  # fmt: skip
+    assert custom["ingress"][0]["from"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"team": "obs"}},
+            "podSelector": {"matchLabels": {"app": "prometheus"}},
+        }
     ]
-    assert len(urls) >= 14
-    assert all(u.startswith(base + "docs/runbooks.md#") for u in urls), urls[:3]
+    # ... and the ingress rule can be switched off: ingress is then not restricted by this
+    # policy at all (not denied), the egress rules stay.
+    off = by_kind(render("--set", "networkPolicy.metrics.enabled=false"))["NetworkPolicy"]
+    assert off["spec"]["policyTypes"] == ["Egress"]
+    assert "ingress" not in off["spec"]
+    assert off["spec"]["egress"] == policy["egress"]
+
+
+def test_tls_without_a_ca_is_refused_unless_system_cas_are_chosen(helm_built: None) -> None:
+    for protocol in ("SASL_SSL", "SSL"):
+        proc = helm(
+            "template", "crs", str(CHART), *BASE,
+            "--set", f"kafka.securityProtocol={protocol}",
+            "--set", "kafka.tls.caSecret.name=",
+        )  # fmt: skip
+        assert proc.returncode != 0, protocol
+        assert "kafka.tls.caSecret.name is required with securityProtocol " + protocol in (
+            proc.stderr
+        )
+        assert "kafka.tls.useSystemCAs=true" in proc.stderr
+    system = render(
+        "--set", "kafka.tls.caSecret.name=", "--set", "kafka.tls.useSystemCAs=true"
+    )  # fmt: skip
+    assert "KAFKA_SSL_CAFILE" not in by_kind(system)["ConfigMap"]["data"]
+    assert not [v for v in pod_spec(system)["volumes"] if v["name"] == "kafka-ca"]
+    # The default names Strimzi's cluster CA Secret of the default cluster `kafka`.
+    assert by_kind(render())["ConfigMap"]["data"]["KAFKA_SSL_CAFILE"] == (
+        "/etc/crs/kafka-ca/ca.crt"
+    )
+    # Without TLS no CA is needed.
+    plain = render(
+        "--set", "kafka.securityProtocol=SASL_PLAINTEXT", "--set", "kafka.tls.caSecret.name="
+    )
+    assert "KAFKA_SSL_CAFILE" not in by_kind(plain)["ConfigMap"]["data"]
+
+
+def test_created_series_are_switched_off_in_the_pods(helm_built: None) -> None:
+    (container,) = pod_spec(render())["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env == {"PROMETHEUS_DISABLE_CREATED_SERIES": "True"}
+
+    # The service's registry exposed with that environment (prometheus-client reads the
+    # variable when it is imported, hence a fresh interpreter).
+    script = (
+        "from prometheus_client import generate_latest\n"
+        "from service.app.config import Config\n"
+        "from service.app.runtime import Runtime\n"
+        "print(generate_latest(Runtime(Config.load(env={})).metrics.registry).decode())\n"
+    )
+
+    def exposition(extra: dict[str, str]) -> str:
+        environ = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_DISABLE_CREATED_SERIES"}
+        proc = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True, text=True, timeout=120, check=False, cwd=REPO,
+            env={**environ, **extra},
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    assert re.search(r"^crs_\w+_created", exposition({}), flags=re.M), "control: they exist"
+    text = exposition(env)
+    assert "crs_events_total" in text
+    assert "_created" not in text
+
+
+def _alerts(rule: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
+
+
+def test_prometheus_rule_carries_cortex_labels_and_absolute_runbook_links(
+    helm_built: None,
+) -> None:
+    docs = render()
+    shipped = by_kind(docs)["PrometheusRule"]
+    # The label Cortex's Prometheus selects rules and monitors by (its bundles:
+    # alerts.prometheus: openstack, ServiceMonitor extraLabels prometheus: openstack).
+    assert shipped["metadata"]["labels"]["prometheus"] == "openstack"
+    assert shipped["metadata"]["labels"]["type"] == "alerting-rules"
+    assert by_kind(docs)["ServiceMonitor"]["metadata"]["labels"]["prometheus"] == "openstack"
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["alerts"]
+    source = yaml.safe_load((REPO / "deploy" / "monitoring" / "rules.yaml").read_text())
+    anchors = _anchors((REPO / "docs" / "runbooks.md").read_text())
+    # Every alert: Cortex's routing labels, an absolute link to an existing section;
+    # otherwise exactly the tested rule of rules.yaml.
+    expected = copy.deepcopy(source["groups"])
+    for group in expected:
+        for rule in group["rules"]:
+            if "alert" in rule:
+                rule["labels"] = {
+                    **rule["labels"],
+                    **values["ruleLabels"],
+                    **values["rules"][rule["alert"]]["labels"],
+                }
+                anchor = rule["annotations"]["runbook_url"].partition("#")[2]
+                rule["annotations"]["runbook_url"] = f"{RUNBOOKS}#{anchor}"
+    assert shipped["spec"]["groups"] == expected
+    for alert in _alerts(shipped):
+        assert {"service", "support_group", "context", "dashboard", "severity"} <= set(
+            alert["labels"]
+        ), alert["alert"]
+        url, _, anchor = alert["annotations"]["runbook_url"].partition("#")
+        assert url == RUNBOOKS
+        assert anchor in anchors, alert["alert"]
+    assert "CrsNoPartitionsOwned" in {a["alert"] for a in _alerts(shipped)}
+
+    # The runbook base is required and absolute (relative links went nowhere).
+    for bad, message in (
+        ("", "alerts.runbookBase is required"),
+        ("docs/runbooks.md", "must be an absolute http(s) URL"),
+    ):
+        proc = helm("template", "crs", str(CHART), "--set", f"alerts.runbookBase={bad}")
+        assert proc.returncode != 0, bad
+        assert message in proc.stderr, proc.stderr
+    # ... but not asked for without alerts.
+    assert render("--set", "alerts.runbookBase=", "--set", "alerts.enabled=false")
+
     # nameOverride / fullnameOverride are values an operator can find (and they work).
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    assert values["nameOverride"] == values["fullnameOverride"] == ""
+    all_values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert all_values["nameOverride"] == all_values["fullnameOverride"] == ""
     named = by_kind(render("--set", "fullnameOverride=crs"))["Deployment"]
     assert named["metadata"]["name"] == "crs"
 
-    # Without a rule file: one placeholder group.
+
+def test_per_alert_labels_thresholds_and_windows_come_from_values(
+    helm_built: None, tmp_path: Path
+) -> None:
+    docs = render(
+        "--set", "alerts.rules.CrsConsumerLagGrowing.threshold=5000",
+        "--set", "alerts.rules.CrsConsumerLagGrowing.for=30m",
+        "--set", "alerts.rules.CrsConsumerLagGrowing.labels.playbook=docs/support/playbook/crs/lag",
+        "--set", "alerts.rules.CrsConsumerLagGrowing.labels.severity=critical",
+        "--set", "alerts.rules.CrsWatchStale.threshold=600",
+        "--set", "alerts.rules.CrsNotReady.for=0s",
+        "--set", "alerts.rules.CrsRetrying.enabled=false",
+        "--set", "alerts.ruleLabels.support_group=compute",
+        "--set", "alerts.extraLabels.team=cortex",
+    )  # fmt: skip
+    rule = by_kind(docs)["PrometheusRule"]
+    assert rule["metadata"]["labels"]["team"] == "cortex"
+    alerts = {a["alert"]: a for a in _alerts(rule)}
+    lag = alerts["CrsConsumerLagGrowing"]
+    assert "> 5000" in lag["expr"]
+    assert "> 1000" not in lag["expr"]
+    assert lag["for"] == "30m"
+    assert lag["labels"]["playbook"] == "docs/support/playbook/crs/lag"
+    assert lag["labels"]["severity"] == "critical"
+    assert "> 600" in alerts["CrsWatchStale"]["expr"]
+    assert "for" not in alerts["CrsNotReady"]
+    assert "CrsRetrying" not in alerts
+    assert {a["labels"]["support_group"] for a in alerts.values()} == {"compute"}
+    assert "${threshold}" not in json.dumps(rule)
+
+    # What promtool makes of it: valid rules, and the raised threshold keeps quiet the
+    # backlog of 3000 that fires the default (deploy/monitoring/tests.yaml's case).
+    groups = tmp_path / "rules.yaml"
+    groups.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    proc = promtool("check", "rules", str(groups), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    case = {
+        "interval": "1m",
+        "input_series": [
+            {
+                "series": 'crs_consumer_lag{job="crs",namespace="ns",topic="in",partition="0"}',
+                "values": "0+100x100",
+            }
+        ],
+        "alert_rule_test": [
+            {"eval_time": "45m", "alertname": "CrsConsumerLagGrowing", "exp_alerts": []},
+            {"eval_time": "90m", "alertname": "CrsConsumerLagGrowing", "exp_alerts": [
+                {"exp_labels": {**lag["labels"], "job": "crs", "namespace": "ns", "topic": "in"},
+                 "exp_annotations": {
+                     **lag["annotations"],
+                     "summary": "crs-consumer falls behind on in",
+                     "description": "9000 records wait in in (ns/crs) and the backlog keeps "
+                                    "growing.",
+                 }},
+            ]},
+        ],
+    }  # fmt: skip
+    tests = tmp_path / "tests.yaml"
+    tests.write_text(yaml.safe_dump({"rule_files": [groups.name], "tests": [case]}))
+    proc = promtool("test", "rules", str(tests), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    # A threshold placeholder without a value is refused, not shipped as text.
+    proc = helm(
+        "template", "crs", str(CHART), *BASE, "--set", "alerts.rules.CrsWatchStale=null"
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "alerts.rules.CrsWatchStale.threshold is required" in proc.stderr
+
+
+def test_the_rendered_rules_pass_every_promtool_unit_test(helm_built: None, tmp_path: Path) -> None:
+    """deploy/monitoring/tests.yaml (a firing and a quiet case per alert) against the
+    rules as the chart ships them: the same alerts, with the labels the chart adds."""
+    rule = by_kind(render())["PrometheusRule"]
+    alerts = {a["alert"]: a for a in _alerts(rule)}
+    (tmp_path / "chart-rules.yaml").write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    source = yaml.safe_load((MONITORING / "tests.yaml").read_text())
+    source["rule_files"] = ["chart-rules.yaml"]
+    cases = 0
+    for test in source["tests"]:
+        for case in test.get("alert_rule_test", []):
+            shipped = alerts[case["alertname"]]
+            for exp in case["exp_alerts"]:
+                exp["exp_labels"] = {**shipped["labels"], **exp["exp_labels"]}
+                exp["exp_labels"]["severity"] = shipped["labels"]["severity"]
+                annotations = exp.get("exp_annotations", {})
+                if "runbook_url" in annotations:
+                    anchor = annotations["runbook_url"].partition("#")[2]
+                    annotations["runbook_url"] = f"{RUNBOOKS}#{anchor}"
+                cases += 1
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(source, sort_keys=False))
+    proc = promtool("test", "rules", "tests.yaml", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert cases >= len(alerts)
+
+
+def test_without_a_rule_file_a_placeholder_group_ships(helm_built: None, tmp_path: Path) -> None:
     chart = tmp_path / "crs-consumer"
     shutil.copytree(CHART, chart)
     (chart / "alerts" / "crs-consumer.alerts.yaml").unlink()
     placeholder = by_kind(render(chart=chart))["PrometheusRule"]
     (group,) = placeholder["spec"]["groups"]
-    assert [r["alert"] for r in group["rules"]] == ["CrsConsumerDown"]
+    (alert,) = group["rules"]
+    assert alert["alert"] == "CrsConsumerDown"
+    assert alert["labels"]["service"] == "cortex"
+    assert alert["annotations"]["runbook_url"] == f"{RUNBOOKS}#crsconsumerdown"
 
-    rules = {
-        "groups": [
-            {
-                "name": "crs-consumer",
-                "rules": [
-                    {
-                        "alert": "CrsConsumerLagging",
-                        "expr": "sum(crs_consumer_lag) > 1000",
-                        "annotations": {"summary": "lag on {{ $labels.topic }}"},
-                    }
-                ],
-            }
-        ]
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("serviceMonitor.labels.prometheus=main", "serviceMonitor.extraLabels"),
+        ("alerts.labels.team=x", "alerts.extraLabels"),
+        ("networkPolicy.monitoring.podSelector.matchLabels.app=prometheus",
+         "networkPolicy.metrics.from"),
+    ],
+)  # fmt: skip
+def test_values_renamed_in_0_2_0_are_refused_not_ignored(
+    helm_built: None, old: str, new: str
+) -> None:
+    proc = helm("template", "crs", str(CHART), *BASE, "--set", old)
+    assert proc.returncode != 0
+    assert f"is now {new}" in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------- Strimzi
+
+
+def _acls(user: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    out = []
+    for acl in user["spec"]["authorization"]["acls"]:
+        resource = acl["resource"]
+        for operation in acl["operations"]:
+            out.append(
+                (resource["type"].lower(), resource["name"], resource["patternType"], operation)
+            )
+    return out
+
+
+def _required(data: dict[str, str]) -> list[tuple[str, str, str, str]]:
+    """required_acls of the service with the rendered ConfigMap's settings (ACLs do not
+    depend on the security settings, whose files do not exist here)."""
+    env = {k: v for k, v in data.items() if not k.startswith(("KAFKA_SASL", "KAFKA_SSL"))}
+    config = Config.load(env={**env, "KAFKA_SECURITY_PROTOCOL": "PLAINTEXT"})
+    return [
+        (a.resource_type.lower(), a.name, a.pattern, a.operation) for a in required_acls(config)
+    ]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--set", "consumer.exactlyOnce=false"],
+        ["--set", "consumer.extraEnv.CRS_TRANSACTIONAL_ID_PREFIX=crs-eu", "--set",
+         "consumer.groupId=crs-eu-1", "--set", "topics.output=out"],
+    ],
+    ids=["default", "at-least-once", "own-prefix"],
+)  # fmt: skip
+def test_kafka_user_has_exactly_the_acls_the_service_needs(
+    helm_built: None, extra: list[str]
+) -> None:
+    docs = render(*VALUE_SETS["strimzi-sasl"], *extra)
+    (user,) = of_kind(docs, "KafkaUser")
+    data = by_kind([d for d in docs if d["kind"] != "KafkaTopic"])["ConfigMap"]["data"]
+    assert sorted(_acls(user)) == sorted(_required(data))
+    assert user["apiVersion"] == "kafka.strimzi.io/v1beta2"
+    assert user["metadata"]["namespace"] == KAFKA_NAMESPACE
+    assert user["metadata"]["labels"]["strimzi.io/cluster"] == "kafka"
+    # SCRAM: the user's name is the SASL username, and its Secret (same name) is the one
+    # the pods mount the password from.
+    assert user["spec"]["authentication"] == {"type": "scram-sha-512"}
+    assert user["metadata"]["name"] == data["KAFKA_SASL_USERNAME"] == "crs-consumer"
+    spec = pod_spec(of_kind(docs, "Deployment"))
+    assert _mounted_file(spec, data["KAFKA_SASL_PASSWORD_FILE"]) == ("crs-consumer", "password")
+    assert user["spec"]["template"]["secret"]["metadata"]["annotations"] == {
+        "replicator.v1.mittwald.de/replicate-to": NAMESPACE
     }
-    (chart / "alerts" / "crs-consumer.alerts.yaml").write_text(yaml.safe_dump(rules))
-    rendered = by_kind(render(chart=chart))["PrometheusRule"]
-    assert rendered["spec"]["groups"] == rules["groups"]
+
+
+def test_kafka_topics_and_the_mtls_user(helm_built: None) -> None:
+    docs = render(*VALUE_SETS["strimzi-sasl"])
+    topics = {t["spec"]["topicName"]: t for t in of_kind(docs, "KafkaTopic")}
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert set(topics) == set(values["topics"].values())
+    for name, topic in topics.items():
+        assert topic["metadata"]["name"] == name  # already a valid object name
+        assert topic["metadata"]["namespace"] == KAFKA_NAMESPACE
+        assert topic["spec"]["partitions"] == 6
+        assert topic["spec"]["replicas"] == 3
+        assert topic["spec"]["config"] == {"retention.ms": 604800000}
+    # Without strimzi.topics.input only the service's own topics.
+    own = render(*BASE, "--set", "strimzi.topics.create=true")
+    assert {t["spec"]["topicName"] for t in of_kind(own, "KafkaTopic")} == {
+        values["topics"]["output"],
+        values["topics"]["deadLetter"],
+    }
+    assert {t["metadata"]["namespace"] for t in of_kind(own, "KafkaTopic")} == {NAMESPACE}
+    odd = render(*BASE, "--set", "strimzi.topics.create=true", "--set", "topics.output=CRS_Out")
+    assert "crs-out" in {t["metadata"]["name"] for t in of_kind(odd, "KafkaTopic")}
+
+    mtls = render(*VALUE_SETS["mtls"])
+    (user,) = of_kind(mtls, "KafkaUser")
+    assert user["spec"]["authentication"] == {"type": "tls"}
+    assert user["metadata"]["name"] == "crs-consumer"  # CN=crs-consumer, its Secret's name
+    assert user["metadata"]["namespace"] == NAMESPACE
+    assert "template" not in user["spec"]
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (["--set", "kafka.sasl.mechanism=SCRAM-SHA-256"],
+         "SCRAM-SHA-512 or TLS, not SCRAM-SHA-256"),
+        (["--set", "kafka.sasl.passwordSecret.name=other"],
+         "set kafka.sasl.passwordSecret.name to it"),
+        (["--set", "kafka.securityProtocol=PLAINTEXT"], "strimzi.kafkaUser.create needs"),
+    ],
+    ids=["scram-256", "other-secret", "plaintext"],
+)  # fmt: skip
+def test_a_kafka_user_strimzi_cannot_serve_is_refused(
+    helm_built: None, values: list[str], message: str
+) -> None:
+    proc = helm(
+        "template", "crs", str(CHART), *BASE, "--set", "strimzi.kafkaUser.create=true", *values
+    )
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr
 
 
 # ---------------------------------------------------------------- server-side dry-run
@@ -290,7 +634,22 @@ RESOURCES = {
     "ClusterRoleBinding": ("apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", False),
     "ServiceMonitor": ("apis/monitoring.coreos.com/v1", "servicemonitors", True),
     "PrometheusRule": ("apis/monitoring.coreos.com/v1", "prometheusrules", True),
+    "KafkaUser": ("apis/kafka.strimzi.io/v1beta2", "kafkausers", True),
+    "KafkaTopic": ("apis/kafka.strimzi.io/v1beta2", "kafkatopics", True),
 }
+STRIMZI_CRDS = REPO / "devstack" / "strimzi-crds"
+
+
+def strimzi_crds() -> list[dict[str, Any]]:
+    """Strimzi's own KafkaTopic and KafkaUser CRDs (devstack/strimzi-crds, cached)."""
+    proc = subprocess.run(
+        [str(STRIMZI_CRDS)], capture_output=True, text=True, timeout=900, check=False
+    )
+    assert proc.returncode == 0, f"devstack/strimzi-crds failed:\n{proc.stderr[-3000:]}"
+    directory = Path(proc.stdout.strip().splitlines()[-1])
+    crds = [yaml.safe_load(p.read_text()) for p in sorted(directory.glob("*-Crd-*.yaml"))]
+    assert {c["spec"]["names"]["kind"] for c in crds} == {"KafkaTopic", "KafkaUser"}
+    return crds
 
 
 def _stand_in_crd(kind: str, plural: str) -> dict[str, Any]:
@@ -370,23 +729,35 @@ async def test_rendered_chart_passes_a_server_side_dry_run(
                 status, body = await api.apply(path, crd, dry_run=False)
                 assert status in {200, 201}, body
             await _wait_served(api, f"apis/monitoring.coreos.com/v1/{RESOURCES[kind][1]}")
-        namespace = {
-            "apiVersion": "v1",
-            "kind": "Namespace",
-            "metadata": {
-                "name": NAMESPACE,
-                "labels": {
-                    "pod-security.kubernetes.io/enforce": "restricted",
-                    "pod-security.kubernetes.io/warn": "restricted",
+        # Strimzi's real CRDs: the KafkaUser and KafkaTopics are validated by its schema.
+        for crd in strimzi_crds():
+            path = f"{CRDS}/{crd['metadata']['name']}"
+            if await api.get(path) == 404:
+                status, body = await api.apply(path, crd, dry_run=False)
+                assert status in {200, 201}, body
+            await _wait_served(
+                api, f"apis/kafka.strimzi.io/v1beta2/{crd['spec']['names']['plural']}"
+            )
+        for name in (NAMESPACE, KAFKA_NAMESPACE):
+            namespace = {
+                "apiVersion": "v1",
+                "kind": "Namespace",
+                "metadata": {
+                    "name": name,
+                    "labels": {
+                        "pod-security.kubernetes.io/enforce": "restricted",
+                        "pod-security.kubernetes.io/warn": "restricted",
+                    },
                 },
-            },
-        }
-        status, body = await api.apply(f"api/v1/namespaces/{NAMESPACE}", namespace, dry_run=False)
-        assert status in {200, 201}, body
+            }
+            status, body = await api.apply(f"api/v1/namespaces/{name}", namespace, dry_run=False)
+            assert status in {200, 201}, body
 
         for doc in docs:
             prefix, plural, namespaced = RESOURCES[doc["kind"]]
-            where = f"namespaces/{NAMESPACE}/" if namespaced else ""
+            where = (
+                f"namespaces/{doc['metadata'].get('namespace', NAMESPACE)}/" if namespaced else ""
+            )
             path = f"{prefix}/{where}{plural}/{doc['metadata']['name']}"
             status, body = await api.apply(path, doc, dry_run=True)
             assert status in {200, 201}, f"{doc['kind']}: {status} {body[-2000:]}"

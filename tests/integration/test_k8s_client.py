@@ -32,7 +32,7 @@ from service.k8s import (
     KubeClient,
     ListClusterState,
 )
-from service.k8s.client import CALLS, ResourceKind, WatchEvent
+from service.k8s.client import CALLS, FENCE_ANNOTATION, ResourceKind, WatchEvent
 from service.k8s.errors import ResourceExpiredError
 from service.model import CommittedResource, Reservation
 from tests import factories as f
@@ -295,6 +295,33 @@ async def test_patch_allocation_is_guarded_by_resource_version(
     assert requests(registry, "patch", "reservations", "200") == 1
     assert requests(registry, "patch", "reservations", "409") == 1
     assert requests(registry, "patch", "reservations", "404") == 1
+
+
+async def test_a_fence_outdates_every_write_guarded_by_an_older_version(
+    kube: tuple[KubeClient, Any], clean_k8s: Any
+) -> None:
+    # What a takeover relies on: once the new owner fenced a slot, the previous owner's
+    # write decided on the version before it fails its guard, however late it arrives;
+    # the fence itself is guarded, and changes nothing of the slot but its version.
+    kc, registry = kube
+    read = await stored_reservation(kc, clean_k8s)
+    fenced = await kc.fence_reservation(read)
+    assert fenced.metadata.resource_version != read.metadata.resource_version
+    assert fenced.spec == read.spec
+    raw = await f.get(clean_k8s, "reservations", "r-1")
+    assert set(raw["metadata"]["annotations"]) == {FENCE_ANNOTATION}
+    again = await kc.fence_reservation(fenced)  # a second fence still changes the version
+    assert again.metadata.resource_version != fenced.metadata.resource_version
+    alloc: dict[str, object] = {"creationTimestamp": "2026-01-01T00:00:00Z"}
+    with pytest.raises(ConflictError):
+        await kc.patch_allocation(read, "vm-late", alloc)
+    with pytest.raises(ConflictError):
+        await kc.fence_reservation(fenced)  # guarded too
+    stored = await kc.get_reservation("r-1")
+    assert stored is not None
+    assert stored.spec == read.spec
+    assert requests(registry, "patch", "reservations", "200") == 2
+    assert requests(registry, "patch", "reservations", "409") == 2
 
 
 async def test_invalid_patch_is_invalid_error(kube: tuple[KubeClient, Any], clean_k8s: Any) -> None:

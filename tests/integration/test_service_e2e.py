@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import aiohttp
@@ -13,6 +14,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from service.app.runtime import Runtime
+from service.k8s.client import FENCE_ANNOTATION
 from tests import e2e
 from tests import factories as f
 from tests.conftest import DevStack
@@ -323,30 +325,71 @@ async def test_lag_is_zero_once_a_transactional_producers_input_is_processed(
         await producer.stop()
 
 
-async def test_a_backlog_taken_over_reads_its_placements_hosts_fresh_and_live_events_do_not(
+async def test_a_backlog_taken_over_fences_its_placements_slots_and_live_events_do_not(
     devstack: DevStack, clean_k8s: Any, new_topic: Any
 ) -> None:
     """Records below the end offset at a take-over may have been processed by the
-    partition's previous owner, whose write the watch cache may not show yet: their
-    placements read the host's slots fresh before claiming one (found by review: a replay
-    decided on a lagging cache put a VM into a second slot). Records that arrive later,
-    which nobody else can have seen, are decided on the cache alone."""
+    partition's previous owner, whose write the watch cache may not show yet or which may
+    still be in flight: their placements fence the candidate slots before claiming one
+    (a guarded PATCH each; tests/integration/test_takeover_fence.py shows why). Records
+    that arrive later, which nobody else can have seen, are decided on the cache alone."""
     await e2e.seed_region(clean_k8s)
     topics = await e2e.new_topics(new_topic, 1)
     boot = devstack.kafka_bootstrap
     cfg = e2e.config(devstack, topics, CRS_K8S_READ_MODE="watch")
-    placement = ["hv-1", ["hv-1", "hv-2"]]
+    placement = ["hv-1", ["hv-1", "hv-2"]]  # one candidate slot on hv-1: slot-p1-hv1
     backlog = [e2e.good_record(*e2e.outcome(*placement)) for _ in range(2)]  # type: ignore[arg-type]
     await e2e.publish(boot, topics["input"], backlog)
-    gets = ("crs_k8s_requests_total", (("code", "200"), ("kind", "reservations"), ("verb", "get")))
+    patches = (
+        "crs_k8s_requests_total",
+        (("code", "200"), ("kind", "reservations"), ("verb", "patch")),
+    )
     async with e2e.running(cfg) as runtime:
         assert runtime.http is not None
         outputs = await e2e.read_all(boot, topics["output"], 2, timeout_s=30)
-        assert [e2e.data_of(r)["cr_slot"] for r in outputs] == ["slot_used", "slot_used"]
-        read = (await e2e.metrics_at(runtime.http.port)).get(gets, 0.0)
-        assert read >= 2, read  # the host's slots, once per replayed placement at least
+        assert [e2e.data_of(r)["allocation"] for r in outputs] == ["written", "written"]
+        # Per replayed placement: its fence of slot-p1-hv1, then its write.
+        assert (await e2e.metrics_at(runtime.http.port)).get(patches, 0.0) == 4
+        slot = await f.get(clean_k8s, "reservations", "slot-p1-hv1")
+        assert set(slot["metadata"]["annotations"]) == {FENCE_ANNOTATION}
         live = [e2e.good_record(*e2e.outcome(*placement)) for _ in range(2)]  # type: ignore[arg-type]
         await e2e.publish(boot, topics["input"], live)
         outputs = await e2e.read_all(boot, topics["output"], 4, timeout_s=30)
-        assert [e2e.data_of(r)["cr_slot"] for r in outputs[2:]] == ["slot_used", "slot_used"]
-        assert (await e2e.metrics_at(runtime.http.port)).get(gets, 0.0) == read
+        assert [e2e.data_of(r)["allocation"] for r in outputs[2:]] == ["written", "written"]
+        assert (await e2e.metrics_at(runtime.http.port)).get(patches, 0.0) == 6  # writes only
+
+
+async def test_a_late_outcome_is_stamped_with_its_placement_time_and_a_replay_writes_nothing(
+    devstack: DevStack, clean_k8s: Any, topics: dict[str, str]
+) -> None:
+    # Cortex's reservation controller counts its 15-minute grace from an allocation's
+    # creationTimestamp. An outcome processed two hours late (lag, catch-up, a new group)
+    # gets the placement's time, so Cortex checks the VM at its next reconcile instead of
+    # holding the slot's memory for it for a fresh grace period. A producer clock ahead
+    # of ours is clamped to now.
+    await e2e.seed_region(clean_k8s)
+    now = datetime.now(UTC)
+    placed = (now - timedelta(hours=2)).replace(microsecond=0)
+    late, decision, request = e2e.outcome("hv-1", ["hv-1"])
+    ahead, decision_ahead, request_ahead = e2e.outcome("hv-1", ["hv-1"])
+    records = [
+        e2e.good_record(late, decision, request, time=placed, event_id="late-1"),
+        e2e.good_record(ahead, decision_ahead, request_ahead, time=now + timedelta(hours=1)),
+        # The same outcome again (a redrive, a replay after a takeover): nothing is written.
+        e2e.good_record(late, decision, request, time=placed, event_id="late-1"),
+    ]
+    async with e2e.running(e2e.config(devstack, topics)) as runtime:
+        await e2e.publish(devstack.kafka_bootstrap, topics["input"], records)
+        await wait_processed(runtime, len(records))
+        done = datetime.now(UTC)
+    outputs = await e2e.read_all(devstack.kafka_bootstrap, topics["output"], 3, partitions=2)
+    statuses = sorted(
+        (e2e.data_of(r)["instance_uuid"] == late, e2e.data_of(r)["allocation"]) for r in outputs
+    )
+    assert statuses == [(False, "written"), (True, "already_present"), (True, "written")]
+    slot = await f.get(clean_k8s, "reservations", "slot-p1-hv1")
+    allocations = slot["spec"]["committedResourceReservation"]["allocations"]
+    assert set(allocations) == {late, ahead}
+    assert allocations[late]["creationTimestamp"] == placed.strftime("%Y-%m-%dT%H:%M:%SZ")
+    stamped = datetime.strptime(allocations[ahead]["creationTimestamp"], "%Y-%m-%dT%H:%M:%S%z")
+    assert now.replace(microsecond=0) <= stamped <= done

@@ -1,4 +1,5 @@
-"""The alerting rules, the PrometheusRule, the runbooks and the dashboard agree.
+"""The alerting rules, the PrometheusRule, the chart's alert values, the kustomize base,
+the runbooks and the dashboard agree.
 
 ``promtool check rules`` and ``promtool test rules`` run on the shipped files; every
 alert must have a unit test that fires it and one where it stays quiet, and a runbook
@@ -20,6 +21,7 @@ import yaml
 from tests.prometheus import MONITORING, REPO, promtool
 
 RULES = MONITORING / "rules.yaml"
+CHART_VALUES = REPO / "charts" / "crs-consumer" / "values.yaml"
 
 
 def _rules() -> list[dict[str, Any]]:
@@ -83,8 +85,47 @@ def test_every_alert_has_a_firing_and_a_quiet_unit_test() -> None:
         "CrsCommitFailures",
         "CrsProducerFenced",
         "CrsAllocationFailures",
+        "CrsNoPartitionsOwned",
     }
     assert required <= names
+
+
+def test_no_partitions_owned_uses_the_services_own_series() -> None:
+    families = _registered_families()
+    (alert,) = [a for a in _alerts() if a["alert"] == "CrsNoPartitionsOwned"]
+    for name in re.findall(r"\b(crs_\w+)", alert["expr"]):
+        assert name in families, name
+    assert "crs_assigned_partitions" in alert["expr"]
+    assert "crs_ready" in alert["expr"]
+
+
+def test_every_alert_has_its_one_entry_in_the_charts_values() -> None:
+    """The chart's alerts.rules: one entry per alert (its Cortex `context`, its `for:`,
+    its threshold), with rules.yaml's values as defaults, so the chart's default render
+    is what promtool tests here."""
+    values = yaml.safe_load(CHART_VALUES.read_text())["alerts"]
+    entries = values["rules"]
+    alerts = {a["alert"]: a for a in _alerts()}
+    assert set(entries) == set(alerts), "alerts.rules must have exactly one entry per alert"
+    for name, alert in alerts.items():
+        entry = entries[name]
+        assert set(entry) <= {"for", "threshold", "labels", "enabled"}, name
+        assert entry["labels"].get("context"), f"{name}: no context label"
+        assert entry["for"] == alert.get("for", "0s"), name
+    assert set(values["ruleLabels"]) == {"service", "support_group", "dashboard"}
+    dash = json.loads((MONITORING / "dashboard.json").read_text())
+    assert values["ruleLabels"]["dashboard"].split("/")[0] == dash["uid"]
+
+
+def test_the_kustomize_base_ships_the_rules() -> None:
+    """The dashboard's recording-rule panels need the rules where the base is deployed."""
+    from tests.unit.test_packaging import NAMESPACE, kustomize_build
+
+    (rule,) = [d for d in kustomize_build(REPO / "deploy") if d["kind"] == "PrometheusRule"]
+    assert rule["metadata"]["namespace"] == NAMESPACE
+    assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
+    records = {r["record"] for g in rule["spec"]["groups"] for r in g["rules"] if "record" in r}
+    assert {"crs:events:rate5m", "crs:placement_slot_used:ratio5m"} <= records
 
 
 def _anchors(markdown: str) -> set[str]:

@@ -41,6 +41,7 @@ DOCUMENTED_ENV = frozenset(
         "KAFKA_SASL_USERNAME",
         "KAFKA_SASL_PASSWORD",
         "KAFKA_SSL_CAFILE",
+        "PROMETHEUS_DISABLE_CREATED_SERIES",
         "CRS_INPUT_TOPIC",
         "CRS_OUTPUT_TOPIC",
         "CRS_DLQ_TOPIC",
@@ -677,7 +678,7 @@ def test_kustomization_lists_exactly_the_manifests() -> None:
         p.name
         for p in DEPLOY.iterdir()
         if p.is_file() and p.suffix in {".yaml", ".yml"} and p.name != "kustomization.yaml"
-    }
+    } | {"monitoring/prometheusrule.yaml"}
     assert set(resources) == present
     expected = {
         "namespace.yaml",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -25,6 +26,7 @@ class ScriptedRecorder:
         self.answers = list(answers)
         self.calls: list[tuple[str, Decision, ExternalSchedulerRequest]] = []
         self.replays: list[bool] = []  # record()'s replay flag, per call
+        self.placed_at: list[datetime | None] = []  # record()'s placed_at, per call
 
     async def _next(
         self, kind: str, decision: Decision, request: ExternalSchedulerRequest
@@ -36,9 +38,15 @@ class ScriptedRecorder:
         return answer  # type: ignore[no-any-return]
 
     async def record(
-        self, decision: Decision, request: ExternalSchedulerRequest, *, replay: bool = False
+        self,
+        decision: Decision,
+        request: ExternalSchedulerRequest,
+        *,
+        replay: bool = False,
+        placed_at: datetime | None = None,
     ) -> Outcome:
         self.replays.append(replay)
+        self.placed_at.append(placed_at)
         if decision.result.target_host:
             return await self.record_placement(decision, request)
         return await self.record_no_host_found(decision, request)
@@ -116,6 +124,23 @@ async def test_placement_becomes_one_classification_record() -> None:
     again = await proc.process(REF, VM.encode(), value, headers, replay=True)
     assert not again.dead_letter
     assert rec.replays == [False, True]
+
+
+async def test_the_outcomes_time_reaches_the_recorder_as_the_placement_time() -> None:
+    # The allocation's creationTimestamp starts Cortex's grace period: it must be when
+    # Nova placed the VM (the event's time), not when this service got to the record.
+    rec = ScriptedRecorder(outcome(), outcome())
+    proc, _ = make(rec)
+    placed = datetime(2026, 12, 6, 8, 0, 0, tzinfo=UTC)
+    value, headers = encode_input(
+        nova.decision_dict("hv-1"), nova.request(VM, hosts=["hv-1"]), time=placed
+    )
+    assert not (await proc.process(REF, VM.encode(), value, headers)).dead_letter
+    binary_value, binary_headers = encode_input(
+        nova.decision_dict("hv-1"), nova.request(VM, hosts=["hv-1"]), time=placed, binary=True
+    )
+    assert not (await proc.process(REF, VM.encode(), binary_value, binary_headers)).dead_letter
+    assert rec.placed_at == [placed, placed]
 
 
 async def test_no_target_host_goes_to_no_host_found() -> None:

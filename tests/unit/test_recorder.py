@@ -164,6 +164,44 @@ async def test_writes_allocation_into_matching_slot(env: Env) -> None:
     assert env.state.patch_results == {"200": 1}
 
 
+async def test_the_allocation_is_stamped_with_the_placement_time_not_the_processing_time(
+    env: Env,
+) -> None:
+    # An outcome processed two hours late: Cortex's grace period must count from the
+    # placement, as it does for the in-process reference recorder.
+    env.seed(*standard_world(f.reservation("slot-1", host=HOST, memory="16Gi")))
+    request = nova.parse_request(
+        nova.request(UUID, project_id=PROJECT, flavor_name="m1.large", hosts=[HOST])
+    )
+    placed = NOW - timedelta(hours=2, seconds=0.5)
+    out = await env.recorder.record(nova.decision(HOST, [HOST]), request, placed_at=placed)
+    assert out.allocation is AllocationStatus.WRITTEN
+    assert env.allocations("slot-1")[UUID]["creationTimestamp"] == "2026-12-02T08:11:12Z"
+    # Replayed later again: the VM is in the slot, nothing is written, the stamp stays.
+    again = await env.recorder.record(nova.decision(HOST, [HOST]), request, placed_at=NOW)
+    assert again.allocation is AllocationStatus.ALREADY_PRESENT
+    assert env.allocations("slot-1")[UUID]["creationTimestamp"] == "2026-12-02T08:11:12Z"
+    assert env.state.patch_results == {"200": 1}
+
+
+async def test_a_placement_time_ahead_of_the_clock_is_clamped_to_the_clock(env: Env) -> None:
+    # A producer whose clock runs ahead must not extend Cortex's grace period.
+    env.seed(*standard_world(f.reservation("slot-1", host=HOST, memory="16Gi")))
+    request = nova.parse_request(
+        nova.request(UUID, project_id=PROJECT, flavor_name="m1.large", hosts=[HOST])
+    )
+    ahead = NOW + timedelta(minutes=30)
+    await env.recorder.record(nova.decision(HOST, [HOST]), request, placed_at=ahead)
+    assert env.allocations("slot-1")[UUID]["creationTimestamp"] == NOW_TEXT
+    other = "22222222-2222-3333-4444-555555555555"
+    naive = NOW.replace(tzinfo=None) - timedelta(hours=1)  # taken as UTC
+    request = nova.parse_request(
+        nova.request(other, project_id=PROJECT, flavor_name="m1.large", hosts=[HOST])
+    )
+    await env.recorder.record(nova.decision(HOST, [HOST]), request, placed_at=naive)
+    assert env.allocations("slot-1")[other]["creationTimestamp"] == "2026-12-02T09:11:12Z"
+
+
 async def test_memory_quantity_is_binary_si_of_the_group_flavor(env: Env) -> None:
     env.seed(*standard_world(f.reservation("slot-1", host=HOST, memory="16Gi")))
     out = await place(env.recorder, flavor="m1.xlarge", memory_mb=1, vcpus=1)
@@ -713,6 +751,77 @@ async def test_a_write_landing_after_its_retry_does_not_put_the_vm_in_two_slots(
     assert holding == ["slot-b"], f"the VM is in {holding}"
     assert (out.allocation, out.reservation) == (AllocationStatus.WRITTEN, "slot-b")
     assert state.patch_results == {"200": 1, "409": 1}  # the re-send won, the original lost
+
+
+@pytest.mark.parametrize("replay", [True, False])
+async def test_a_takeover_fences_the_previous_owners_write_still_in_flight(replay: bool) -> None:
+    # Replica A's PATCH into slot-b is on its way (a held connection, a paused process)
+    # when A loses the partition. Replica B, another process without A's memory of the
+    # write, replays the event; slot-a meanwhile became as good a fit and wins the tie.
+    # B's replay fences both candidates first, so A's write, landing only now, fails its
+    # guard: the VM is in exactly one slot. Without the fence (a live decision) both land.
+    env = slots_a_and_b_on(state := LatePatch())
+    state.hold_next = True
+    with pytest.raises(UnavailableError):
+        await place(env.recorder, flavor="m1.xlarge")  # replica A: slot-b, the answer lost
+    assert state.held is not None
+    assert state.held[0].name == "slot-b"
+    fill_slot_a_to_8gi_left(state)
+
+    replica_b = env.recorder_on(state)
+    out = await place(replica_b, flavor="m1.xlarge", replay=replay)
+    assert (out.allocation, out.reservation) == (AllocationStatus.WRITTEN, "slot-a")
+    if replay:
+        with pytest.raises(ConflictError):
+            await state.land_held()
+        assert state.fence_results == {"200": 2}
+    else:
+        await state.land_held()
+    holding = [n for n in ("slot-a", "slot-b") if UUID in env.allocations(n)]
+    assert holding == (["slot-a"] if replay else ["slot-a", "slot-b"])
+
+
+async def test_a_fence_refused_by_a_concurrent_change_is_retried_on_a_fresh_read() -> None:
+    # Cortex (or another replica) writes to a candidate between the replay's read and its
+    # fence: the fence is refused, and the slot is re-read and fenced again, since every
+    # candidate must be fenced. A slot deleted meanwhile needs no fence.
+    env = slots_a_and_b_on(state := InMemoryClusterState())
+    real_fence = state.fence_reservation
+    touched: list[str] = []
+
+    async def fence_after_a_change(reservation: Reservation) -> Reservation:
+        if reservation.name not in touched:
+            touched.append(reservation.name)
+            if reservation.name == "slot-a":
+                state.patch("Reservation", "slot-a", {"metadata": {"labels": {"t": "1"}}})
+            else:
+                state.delete("Reservation", "slot-b")
+        return await real_fence(reservation)
+
+    state.fence_reservation = fence_after_a_change  # type: ignore[method-assign]
+    out = await place(env.recorder, replay=True)
+    assert (out.allocation, out.reservation) == (AllocationStatus.WRITTEN, "slot-a")
+    assert state.fence_results == {"409": 1, "200": 1}
+    assert state.calls["fence_reservation"] == 3  # slot-a twice, slot-b once (404)
+
+
+async def test_a_slot_that_keeps_changing_fails_the_replay_as_an_outage() -> None:
+    # Past the conflict deadline the event is retried whole (an outage), not dead-lettered
+    # as a Kubernetes error and not decided without its fence.
+    env = slots_a_and_b_on(state := InMemoryClusterState())
+    ticks = [0.0]
+    rec = env.recorder_on(state, monotonic=lambda: ticks[0], conflict_timeout_s=1.0)
+    real_fence = state.fence_reservation
+
+    async def always_changed(reservation: Reservation) -> Reservation:
+        state.patch("Reservation", reservation.name, {"metadata": {"labels": {"t": str(ticks)}}})
+        ticks[0] += 0.4
+        return await real_fence(reservation)
+
+    state.fence_reservation = always_changed  # type: ignore[method-assign]
+    with pytest.raises(UnavailableError, match="kept changing while being fenced"):
+        await place(rec, replay=True)
+    assert state.patch_results == {}
 
 
 async def test_an_unknown_write_is_not_settled_by_another_vms_placement() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
@@ -85,3 +86,37 @@ async def test_nothing_to_read_is_no_read_and_no_error() -> None:
     # deleted, the write answered 404) made the watch cache's fresh read raise ValueError,
     # and the placement became an internal_error dead letter instead of no_slot.
     assert await all_or_none([]) == []
+
+
+async def test_every_failed_read_is_retrieved_not_only_the_raised_one() -> None:
+    # Under a paused replica several reads of one event time out together: the first is
+    # raised, and asyncio logged the others at error level as "Task exception was never
+    # retrieved" when they were collected (seen for WatchClusterState.get_reservation).
+    unretrieved: list[str] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, ctx: unretrieved.append(str(ctx.get("message"))))
+    try:
+        with pytest.raises(UnavailableError):
+            await all_or_none([fail(), fail(), fail()])
+        # A failure while being cancelled (a read that ends with its own error once told
+        # to stop) is consumed too.
+        started = asyncio.Event()
+
+        async def fails_when_cancelled() -> None:
+            try:
+                started.set()
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                raise UnavailableError("connection reset", status=None) from None
+
+        async def fails_later() -> None:
+            await started.wait()
+            raise UnavailableError("timed out", status=None)
+
+        with pytest.raises(UnavailableError, match="timed out"):
+            await all_or_none([fails_when_cancelled(), fails_later()])
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(None)
+    assert unretrieved == []
