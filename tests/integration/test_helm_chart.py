@@ -151,7 +151,11 @@ def test_secrets_come_from_existing_secrets_as_files(helm_built: None, name: str
     assert not set(data) & secrets, "a secret value in the ConfigMap"
     spec = pod_spec(docs)
     (container,) = spec["containers"]
-    assert "env" not in container, "settings come from the ConfigMap, secrets from files"
+    # Settings come from the ConfigMap, secrets from files; only the pod's own name (for
+    # the default Kafka client.id) comes from the downward API.
+    assert container["env"] == [
+        {"name": "CRS_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+    ]
     assert container["args"] == ["run"]
     files = {k: v for k, v in data.items() if k.endswith(("_FILE", "FILE"))}
     expected = {
