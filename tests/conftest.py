@@ -28,9 +28,6 @@ settings.register_profile("crs", deadline=None)
 settings.load_profile("crs")
 
 REPO = Path(__file__).resolve().parents[1]
-UPSTREAM_CRDS = Path(
-    os.environ.get("CRS_UPSTREAM_CRDS", REPO.parent / "shared" / "reference" / "crds")
-)
 
 # The four kinds the service reads, as (group, version, plural), from their one definition.
 KINDS = {k.plural: (k.group, k.version, k.plural) for k in RESOURCE_KINDS.values()}

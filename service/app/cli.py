@@ -262,6 +262,15 @@ async def until_signalled(work: Coroutine[Any, Any, int], *, note: str = "") -> 
 
 
 def _run_dlq(args: argparse.Namespace, config: Config, flt: DlqFilter) -> int:
+    from service.app.check import capturing
+
+    with capturing() as capture:
+        return _dlq_action(args, config, flt, capture.errors)
+
+
+def _dlq_action(
+    args: argparse.Namespace, config: Config, flt: DlqFilter, errors: list[BaseException]
+) -> int:
     from service.app import dlq
 
     try:
@@ -290,10 +299,9 @@ def _run_dlq(args: argparse.Namespace, config: Config, flt: DlqFilter) -> int:
                 ),
             )
         )
-    except Exception as exc:  # one line, not a traceback: the cause is in the text
-        print(
-            f"crs-consumer dlq {args.action}: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr
-        )
+    except Exception as exc:  # one line, not a traceback: the cause in words, as check says it
+        cause = dlq.failure(exc, errors, config)
+        print(f"crs-consumer dlq {args.action}: FAILED: {cause}", file=sys.stderr)
         return 1
 
 

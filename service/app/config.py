@@ -13,6 +13,7 @@ from, so an operator can fix a Deployment without reading code.
 from __future__ import annotations
 
 import os
+import socket
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -88,6 +89,23 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
         str | None,
         _env("KAFKA_SSL_KEY_PASSWORD", "Password of an encrypted KAFKA_SSL_KEYFILE", secret=True),
     ] = None
+    client_id: Annotated[
+        NonEmpty | None,
+        _env(
+            "KAFKA_CLIENT_ID",
+            "Kafka client.id of this replica's consumer, producers and admin client: how "
+            "brokers name it in logs, quotas and consumer-group listings "
+            "(default: <CRS_GROUP_ID>-<CRS_POD_NAME>)",
+        ),
+    ] = None
+    pod_name: Annotated[
+        NonEmpty | None,
+        _env(
+            "CRS_POD_NAME",
+            "This replica's name, for the default KAFKA_CLIENT_ID (the chart sets the pod's "
+            "name from the downward API; default: the host name)",
+        ),
+    ] = None
     # --- topics and group
     input_topic: Annotated[
         NonEmpty, _env("CRS_INPUT_TOPIC", "Topic of Nova scheduling outcomes (input)")
@@ -101,6 +119,17 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     group_id: Annotated[NonEmpty, _env("CRS_GROUP_ID", "Kafka consumer group")] = (
         "cortex-crs-consumer"
     )
+    auto_offset_reset: Annotated[
+        Literal["earliest", "latest"],
+        _env(
+            "CRS_AUTO_OFFSET_RESET",
+            "Where a partition the group has no committed offset for (a new or renamed group), "
+            "or whose committed offset is out of range (retention deleted it), starts: "
+            "earliest replays the retained records (each is counted and classified again, "
+            "its classification published again); latest starts at the end and skips every "
+            "record published before",
+        ),
+    ] = "earliest"
     exactly_once: Annotated[
         bool, _env("CRS_EXACTLY_ONCE", "Commit outputs and input offsets in one Kafka transaction")
     ] = True
@@ -423,6 +452,12 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
         return self.transactional_id_prefix or self.group_id
 
     @property
+    def effective_client_id(self) -> str:
+        """KAFKA_CLIENT_ID, else the group and this replica's (pod's) name: each replica
+        tells itself apart in the broker's logs and group listings, all share the prefix."""
+        return self.client_id or f"{self.group_id}-{self.pod_name or socket.gethostname()}"
+
+    @property
     def effective_watch_timeout_s(self) -> float:
         """Watch renewals well inside the readiness bound, unless set."""
         if self.watch_timeout_s is not None:
@@ -434,6 +469,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
         args: dict[str, Any] = {
             "bootstrap_servers": self.bootstrap_servers,
             "security_protocol": self.security_protocol,
+            "client_id": self.effective_client_id,
         }
         if self.security_protocol.startswith("SASL_"):
             args |= {

@@ -107,6 +107,7 @@ def stream_settings(c: Config) -> StreamSettings:
         commit_timeout_s=c.commit_timeout_s,
         poll_timeout_ms=c.poll_timeout_ms,
         fetch_linger_ms=c.fetch_linger_ms,
+        auto_offset_reset=c.auto_offset_reset,
         client_args=c.kafka_client_args(),
         consumer_args=c.kafka_consumer_args(),
     )

@@ -48,7 +48,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
@@ -165,6 +165,10 @@ class StreamSettings:
     # ... and aborts it when nothing was decided this long after (well below the
     # producer's transaction.timeout.ms, 60 s, after which the broker would fence it).
     txn_open_ahead_max_s: float = 5.0
+    # Where a partition the group never committed starts: "earliest" (offset 0: every
+    # retained record) or "latest" (its end when taken over). aiokafka also resets a
+    # position out of range (retention deleted it, the log was truncated) so.
+    auto_offset_reset: Literal["earliest", "latest"] = "earliest"
     client_args: dict[str, Any] = field(default_factory=dict)
     consumer_args: dict[str, Any] = field(default_factory=dict)
 
@@ -396,7 +400,7 @@ class StreamService:
             **s.client_args,
             group_id=s.group_id,
             enable_auto_commit=False,
-            auto_offset_reset="earliest",
+            auto_offset_reset=s.auto_offset_reset,
             isolation_level="read_committed",
             max_poll_records=s.max_batch,
             **s.consumer_args,
@@ -629,7 +633,7 @@ class StreamService:
 
         It never delivers a record twice (a seek drops what was buffered, and a fetch
         answer for an old position is discarded), and the engine itself never seeks
-        below that offset: aiokafka reset the fetch (auto_offset_reset="earliest")
+        below that offset: aiokafka reset the fetch (auto_offset_reset, either value)
         because the position lay beyond the partition's end. The log was truncated (an
         unclean leader election) or the topic recreated while the group's offsets
         outlived it: the records from ``offset`` on are this log's, to be processed,
@@ -1326,7 +1330,10 @@ class StreamService:
             # This InitProducerId fenced the other's producer: keep this one.
             log.warning("partition_acquired_twice", topic=tp.topic, partition=tp.partition)
             await self._drop(old)
-        consumer.seek(tp, start if start is not None else 0)
+        if start is None and self._s.auto_offset_reset == "latest":
+            await consumer.seek_to_end(tp)  # skips what was published before: as configured
+        else:
+            consumer.seek(tp, start if start is not None else 0)
         # At 0 from the take-over on: increase() misses a series that appears at 1, and
         # CrsOffsetReset would then miss a partition's first reset (usually its only one).
         self._metrics.offset_resets.labels(tp.topic, str(tp.partition))
