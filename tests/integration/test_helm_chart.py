@@ -307,8 +307,8 @@ def test_tls_without_a_ca_is_refused_unless_system_cas_are_chosen(helm_built: No
 
 def test_created_series_are_switched_off_in_the_pods(helm_built: None) -> None:
     (container,) = pod_spec(render())["containers"]
-    env = {e["name"]: e.get("value") for e in container["env"]}
-    assert env["PROMETHEUS_DISABLE_CREATED_SERIES"] == "True"
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    assert env == {"PROMETHEUS_DISABLE_CREATED_SERIES": "True"}  # CRS_POD_NAME: valueFrom
 
     # The service's registry exposed with that environment (prometheus-client reads the
     # variable when it is imported, hence a fresh interpreter).
