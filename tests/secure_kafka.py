@@ -7,7 +7,10 @@ neither of which can do anything without an ACL.
 
 from __future__ import annotations
 
+import secrets
 import ssl
+import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +77,33 @@ class SecureKafka:
             "KAFKA_SSL_KEYFILE": self.env["CRS_SECURE_KAFKA_MTLS_KEY"],
             "KAFKA_SSL_KEY_PASSWORD_FILE": self.env["CRS_SECURE_KAFKA_MTLS_KEY_PASSWORD_FILE"],
         }
+
+    def issue_client_cert(self, cn: str, days: int = 2) -> dict[str, bytes]:
+        """A new client certificate for ``User:CN=<cn>`` from the dev CA (a random serial),
+        as a Strimzi KafkaUser's Secret holds it: ``user.crt``, ``user.key`` (encrypted)
+        and ``user.password``, by file name."""
+        pki = Path(self.env["CRS_SECURE_KAFKA_CA"]).parent
+        ca_key = pki / "ca.key"
+        assert ca_key.is_file(), f"the dev CA's key is not at {ca_key} (devstack/secure-kafka.sh)"
+        with tempfile.TemporaryDirectory() as tmp:
+            d = Path(tmp)
+            password = secrets.token_hex(16)
+            (d / "user.password").write_text(password)
+            (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+            openssl = ["openssl"]
+            for args in (
+                ["req", "-newkey", "rsa:2048", "-subj", f"/CN={cn}",
+                 "-passout", f"file:{d / 'user.password'}",
+                 "-keyout", str(d / "user.key"), "-out", str(d / "user.csr")],
+                ["x509", "-req", "-in", str(d / "user.csr"), "-CA", self.env["CRS_SECURE_KAFKA_CA"],
+                 "-CAkey", str(ca_key), "-set_serial", f"0x{secrets.token_hex(16)}",
+                 "-days", str(days), "-extfile", str(d / "client.ext"),
+                 "-out", str(d / "user.crt")],
+            ):  # fmt: skip
+                subprocess.run([*openssl, *args], check=True, capture_output=True, timeout=60)
+            return {
+                name: (d / name).read_bytes() for name in ("user.crt", "user.key", "user.password")
+            }
 
     async def create_topics(self, names: list[str], partitions: int = 2) -> None:
         admin = AIOKafkaAdminClient(**self.admin_args())

@@ -1,9 +1,8 @@
 """Rotated secret files (service.app.rotation): noticed on a poll, acted on only once they
 load, and handed to run_service, which rebuilds the Kafka clients in order.
 
-The files are laid out as the kubelet mounts a Secret: ``<dir>/user.crt`` is a symlink to
-``..data/user.crt`` and ``..data`` a symlink to a versioned directory, swapped in one
-rename to publish new content.
+The files are laid out as the kubelet mounts a Secret (tests.secret_volume): new content
+appears by a swap of the ``..data`` symlink.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from service.app import runtime as runtime_module
 from service.app.config import Config, secret_files
 from service.app.rotation import SecretFiles, new_secret_reload_counter
 from service.stream.metrics import StreamMetrics
+from tests.secret_volume import SecretVolume
 
 FILES = ("user.crt", "user.key", "user.password")
 
@@ -44,41 +44,19 @@ def material(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, by
     return out
 
 
-class Mount:
-    """A Secret volume: versioned directories, ``..data`` and the per-file symlinks."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.versions = 0
-
-    def publish(self, files: dict[str, bytes]) -> None:
-        """Write a new version and swap ``..data`` to it atomically (as the kubelet)."""
-        self.versions += 1
-        version = self.root / f"..v{self.versions}"
-        version.mkdir()
-        for name, content in files.items():
-            (version / name).write_bytes(content)
-        tmp = self.root / "..data_tmp"
-        tmp.symlink_to(version.name)
-        os.replace(tmp, self.root / "..data")
-        for name in files:
-            link = self.root / name
-            if not link.is_symlink():
-                link.symlink_to(Path("..data") / name)
-
+class Mount(SecretVolume):
     def env(self) -> dict[str, str]:
         return {
             "KAFKA_SECURITY_PROTOCOL": "SSL",
-            "KAFKA_SSL_CERTFILE": str(self.root / "user.crt"),
-            "KAFKA_SSL_KEYFILE": str(self.root / "user.key"),
-            "KAFKA_SSL_KEY_PASSWORD_FILE": str(self.root / "user.password"),
+            "KAFKA_SSL_CERTFILE": self.path("user.crt"),
+            "KAFKA_SSL_KEYFILE": self.path("user.key"),
+            "KAFKA_SSL_KEY_PASSWORD_FILE": self.path("user.password"),
         }
 
 
 @pytest.fixture
 def mount(tmp_path: Path, material: dict[str, dict[str, bytes]]) -> Mount:
     m = Mount(tmp_path / "secret")
-    m.root.mkdir()
     m.publish(material["v1"])
     return m
 
