@@ -7,6 +7,8 @@ neither of which can do anything without an ACL.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import secrets
 import ssl
 import subprocess
@@ -18,6 +20,17 @@ from typing import Any
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.client import AIOKafkaClient
 from aiokafka.protocol.admin import CreateAclsRequest, DeleteAclsRequest
+from aiokafka.protocol.api import Request, RequestStruct, Response
+from aiokafka.protocol.types import (
+    CompactArray,
+    CompactBytes,
+    CompactString,
+    Int8,
+    Int16,
+    Int32,
+    Schema,
+    TaggedFields,
+)
 
 from service.app.kafka_access import Acl
 
@@ -132,6 +145,18 @@ class SecureKafka:
         finally:
             await admin.close()
 
+    async def set_scram_password(self, user: str, password: str | None) -> None:
+        """Create the SCRAM-SHA-512 user ``user`` or change its password (``None``:
+        delete it), as Strimzi's User Operator does for a KafkaUser."""
+        client = AIOKafkaClient(**self.admin_args())
+        await client.bootstrap()
+        try:
+            response = await client.send(client.get_random_node(), _AlterScram(user, password))
+            errors = [r for r in response.results if r[1]]
+            assert not errors, f"AlterUserScramCredentials failed: {errors}"
+        finally:
+            await client.close()
+
     async def _send(self, requests: list[Any]) -> None:
         client = AIOKafkaClient(**self.admin_args())
         await client.bootstrap()
@@ -166,3 +191,60 @@ def _acl_args(
         OPERATION[acl.operation],
         PERMISSION[permission],
     )
+
+
+# ---------------------------------------------------------------- AlterUserScramCredentials
+# Not in aiokafka (KIP-554, API key 51, flexible from v0).
+
+_SCRAM_SHA_512, _SCRAM_ITERATIONS = 2, 4096
+
+
+class _AlterScramResponse(Response):  # type: ignore[misc]
+    API_KEY = 51
+    API_VERSION = 0
+    SCHEMA = Schema(
+        ("throttle_time_ms", Int32),
+        ("results", CompactArray(
+            ("user", CompactString("utf-8")),
+            ("error_code", Int16),
+            ("error_message", CompactString("utf-8")),
+            ("tags", TaggedFields),
+        )),
+        ("tags", TaggedFields),
+    )  # fmt: skip
+
+
+class _AlterScramStruct(RequestStruct):  # type: ignore[misc]
+    API_KEY = 51
+    API_VERSION = 0
+    FLEXIBLE_VERSION = True
+    RESPONSE_TYPE = _AlterScramResponse
+    SCHEMA = Schema(
+        ("deletions", CompactArray(
+            ("name", CompactString("utf-8")), ("mechanism", Int8), ("tags", TaggedFields),
+        )),
+        ("upsertions", CompactArray(
+            ("name", CompactString("utf-8")),
+            ("mechanism", Int8),
+            ("iterations", Int32),
+            ("salt", CompactBytes),
+            ("salted_password", CompactBytes),
+            ("tags", TaggedFields),
+        )),
+        ("tags", TaggedFields),
+    )  # fmt: skip
+
+
+class _AlterScram(Request[_AlterScramStruct]):  # type: ignore[misc]
+    API_KEY = 51
+
+    def __init__(self, user: str, password: str | None) -> None:
+        self._user, self._password = user, password
+
+    def build(self, request_struct_class: type[_AlterScramStruct]) -> Any:
+        if self._password is None:
+            return request_struct_class([(self._user, _SCRAM_SHA_512, {})], [], {})
+        salt = os.urandom(32)
+        salted = hashlib.pbkdf2_hmac("sha512", self._password.encode(), salt, _SCRAM_ITERATIONS)
+        upsertion = (self._user, _SCRAM_SHA_512, _SCRAM_ITERATIONS, salt, salted, {})
+        return request_struct_class([], [upsertion], {})

@@ -1,13 +1,20 @@
-"""A client certificate rotated under load, on the secured broker's mTLS listener.
+"""A Kafka credential rotated under load, on the secured broker.
 
-The service runs as a real process (``python -m service run``) with its certificate, key
-and key password in a Secret-like volume (tests.secret_volume: the kubelet's ``..data``
-symlink swap). While input records arrive steadily, the volume first gets a half-written
-certificate (which must not disturb the running clients), then a new certificate from the
-dev CA with another subject and serial. Once the service has rebuilt its clients, the old
-subject's ACLs are deleted: with ``allow.everyone.if.no.acl.found=false`` every later
-output proves the new certificate is the one in use. Every input must come out exactly
-once (read_committed).
+The service runs as a real process (``python -m service run``) with its credential in a
+Secret-like volume (tests.secret_volume: the kubelet's ``..data`` symlink swap): an mTLS
+user's certificate, encrypted key and key password, or a SCRAM user's password. While
+input records arrive steadily, the volume first gets content that does not load (which
+must not disturb the running clients), then the new credential:
+
+* mTLS: a new certificate from the dev CA, with another subject and serial. Once the
+  service has rebuilt its clients, the old subject's ACLs are deleted: with
+  ``allow.everyone.if.no.acl.found=false`` every later output proves the new
+  certificate is the one in use.
+* SASL: the user's password changed on the broker (as Strimzi's User Operator does),
+  then in the volume; the old password opens no connection any more, so the rebuilt
+  clients can only be using the new one.
+
+Every input must come out exactly once (read_committed).
 
 Names (topics, group, subjects) are fresh per run, and the ACLs and topics are deleted
 afterwards, so a rerun or a concurrent test on the shared broker does not interfere.
@@ -26,12 +33,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import pytest_asyncio
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import RecordMetadata
 
 from service.app.config import Config
-from service.app.kafka_access import required_acls
+from service.app.kafka_access import Acl, required_acls
 from tests import e2e
 from tests.conftest import REPO, DevStack
 from tests.integration.test_kafka_security import finished, read_as_admin
@@ -109,22 +117,103 @@ async def logged(log: Path, event: str, count: int = 1, timeout_s: float = 60) -
         await asyncio.sleep(0.1)
 
 
-async def test_a_client_certificate_rotated_under_load_is_used_and_no_output_is_lost_or_doubled(
-    secure_kafka: SecureKafka, devstack: DevStack, topics: dict[str, str], tmp_path: Path
+class Identity:
+    """The service's Kafka identity in a Secret volume, as Strimzi's User Operator keeps it:
+    an mTLS user (certificate, encrypted key, key password) or a SCRAM user (password),
+    with what a rotation changes and how a half-written Secret looks."""
+
+    def __init__(self, sk: SecureKafka, mode: str, volume: SecretVolume) -> None:
+        self.sk, self.mode, self.volume = sk, mode, volume
+        self.acls: list[Acl] = []
+        self.current: dict[str, bytes] = {}  # the volume's content in use
+        self.next: dict[str, bytes] = {}  # the rotation's
+        run = uuid.uuid4().hex[:8]
+        if mode == "mtls":
+            # The new certificate has another subject, so that the old one's ACLs can be
+            # deleted: Kafka has no revocation list, and a certificate of the same
+            # subject would be accepted either way.
+            self.names = (f"crs-rot-{run}-a", f"crs-rot-{run}-b")
+            self.principals = [f"User:CN={n}" for n in self.names]
+            self.changed = [
+                "KAFKA_SSL_CERTFILE",
+                "KAFKA_SSL_KEYFILE",
+                "KAFKA_SSL_KEY_PASSWORD_FILE",
+            ]
+        else:
+            # One user whose password changes on the broker: the old one is refused.
+            self.names = (f"crs-rot-{run}", f"crs-rot-{run}")
+            self.principals = [f"User:{self.names[0]}"]
+            self.changed = ["KAFKA_SASL_PASSWORD_FILE"]
+
+    async def first(self) -> None:
+        if self.mode == "mtls":
+            self.current = self.sk.issue_client_cert(self.names[0])
+        else:
+            self.current = {"password": uuid.uuid4().hex.encode()}
+            await self.sk.set_scram_password(self.names[0], self.current["password"].decode())
+        self.volume.publish(self.current)
+
+    def env(self) -> dict[str, str]:
+        v = self.volume
+        if self.mode == "mtls":
+            return {
+                "KAFKA_BOOTSTRAP_SERVERS": self.sk.env["CRS_SECURE_KAFKA_MTLS_BOOTSTRAP"],
+                "KAFKA_SECURITY_PROTOCOL": "SSL",
+                "KAFKA_SSL_CAFILE": self.sk.env["CRS_SECURE_KAFKA_CA"],
+                "KAFKA_SSL_CERTFILE": v.path("user.crt"),
+                "KAFKA_SSL_KEYFILE": v.path("user.key"),
+                "KAFKA_SSL_KEY_PASSWORD_FILE": v.path("user.password"),
+            }
+        return {
+            "KAFKA_BOOTSTRAP_SERVERS": self.sk.sasl_bootstrap,
+            "KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+            "KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+            "KAFKA_SASL_USERNAME": self.names[0],
+            "KAFKA_SASL_PASSWORD_FILE": v.path("password"),
+            "KAFKA_SSL_CAFILE": self.sk.env["CRS_SECURE_KAFKA_CA"],
+        }
+
+    def half_written(self) -> str:
+        """Publish a Secret that does not load; the variable it breaks."""
+        if self.mode == "mtls":
+            self.next = self.sk.issue_client_cert(self.names[1])
+            self.volume.publish({**self.current, "user.crt": self.next["user.crt"][:500]})
+            return "KAFKA_SSL_CERTFILE"
+        self.volume.publish({"password": b""})  # an empty password is none: required
+        return "KAFKA_SASL_PASSWORD_FILE"
+
+    async def rotate(self) -> None:
+        if self.mode == "sasl":
+            self.next = {"password": uuid.uuid4().hex.encode()}
+            # The broker first: from here the old password opens no new connection.
+            await self.sk.set_scram_password(self.names[0], self.next["password"].decode())
+        self.volume.publish(self.next)
+
+    async def retire_old(self) -> None:
+        """After the rebuild: the old identity can do nothing any more."""
+        if self.mode == "mtls":
+            await self.sk.revoke(self.principals[0], self.acls)
+
+    async def forget(self) -> None:
+        for principal in self.principals:
+            await self.sk.revoke(principal, self.acls)
+        if self.mode == "sasl":
+            await self.sk.set_scram_password(self.names[0], None)
+
+
+@pytest.mark.parametrize("mode", ["mtls", "sasl"])
+async def test_a_credential_rotated_under_load_is_used_and_no_output_is_lost_or_doubled(
+    mode: str,
+    secure_kafka: SecureKafka,
+    devstack: DevStack,
+    topics: dict[str, str],
+    tmp_path: Path,
 ) -> None:
     sk = secure_kafka
-    run = uuid.uuid4().hex[:8]
-    old, new = f"crs-rot-{run}-a", f"crs-rot-{run}-b"
-    volume = SecretVolume(tmp_path / "kafka-user")
-    first = sk.issue_client_cert(old)
-    volume.publish(first)
+    identity = Identity(sk, mode, SecretVolume(tmp_path / "kafka-user"))
+    await identity.first()
     env = {
-        "KAFKA_BOOTSTRAP_SERVERS": sk.env["CRS_SECURE_KAFKA_MTLS_BOOTSTRAP"],
-        "KAFKA_SECURITY_PROTOCOL": "SSL",
-        "KAFKA_SSL_CAFILE": sk.env["CRS_SECURE_KAFKA_CA"],
-        "KAFKA_SSL_CERTFILE": volume.path("user.crt"),
-        "KAFKA_SSL_KEYFILE": volume.path("user.key"),
-        "KAFKA_SSL_KEY_PASSWORD_FILE": volume.path("user.password"),
+        **identity.env(),
         "KUBECONFIG": devstack.kubeconfig,
         "CRS_INPUT_TOPIC": topics["input"],
         "CRS_OUTPUT_TOPIC": topics["output"],
@@ -134,11 +223,9 @@ async def test_a_client_certificate_rotated_under_load_is_used_and_no_output_is_
         "CRS_LOG_FORMAT": "json",
         "CRS_SECRET_RELOAD_INTERVAL_S": "1",
     }
-    acls = required_acls(Config.load(env=env))
-    # The same grants for both subjects, as for one KafkaUser; the old one's go after the
-    # rotation.
-    await sk.grant(f"User:CN={old}", acls)
-    await sk.grant(f"User:CN={new}", acls)
+    identity.acls = acls = required_acls(Config.load(env=env))
+    for principal in identity.principals:
+        await sk.grant(principal, acls)
     log = tmp_path / "service.log"
     publisher = Publisher(sk, topics["input"])
     publishing: asyncio.Task[None] | None = None
@@ -148,25 +235,20 @@ async def test_a_client_certificate_rotated_under_load_is_used_and_no_output_is_
         publishing = asyncio.create_task(publisher.run())
         await publisher.reached(RECORDS // 5)
 
-        # Half-written: the new certificate cut short, beside the old key. The clients
-        # at work are kept; it is said once, counted, and not acted on.
-        second = sk.issue_client_cert(new)
-        volume.publish({**first, "user.crt": second["user.crt"][:500]})
+        # Half-written: the clients at work are kept; it is said once, counted, and not
+        # acted on.
+        broken = identity.half_written()
         invalid = await logged(log, "secret_reload_invalid", timeout_s=20)
-        assert any("KAFKA_SSL_CERTFILE=" in f for f in invalid["files"]), invalid
+        assert any(f.startswith(f"{broken}=") for f in invalid["files"]), invalid
         await publisher.reached(2 * RECORDS // 5)
         assert e2e.log_events(log, "kafka_clients_rebuilding") == []
 
-        volume.publish(second)
+        await identity.rotate()
         rebuilding = await logged(log, "kafka_clients_rebuilding", timeout_s=20)
-        assert sorted(f.split("=")[0] for f in rebuilding["files"]) == [
-            "KAFKA_SSL_CERTFILE",
-            "KAFKA_SSL_KEYFILE",
-            "KAFKA_SSL_KEY_PASSWORD_FILE",
-        ]
+        assert sorted(f.split("=")[0] for f in rebuilding["files"]) == identity.changed
         await logged(log, "service_started", count=2)
-        # From here on only the new subject may do anything.
-        await sk.revoke(f"User:CN={old}", acls)
+        # From here on only the new credential can do anything.
+        await identity.retire_old()
         rotated_at = len(publisher.sent)
         assert rotated_at < RECORDS, "the stream ended before the rotation: raise RECORDS"
 
@@ -183,8 +265,7 @@ async def test_a_client_certificate_rotated_under_load_is_used_and_no_output_is_
             publishing.cancel()
         service.terminate()
         code = await finished(service, 60)
-        await sk.revoke(f"User:CN={old}", acls)
-        await sk.revoke(f"User:CN={new}", acls)
+        await identity.forget()
     assert code == 0, log.read_text()[-4000:]
 
     expected = {(d.partition, d.offset) for d in deliveries}
