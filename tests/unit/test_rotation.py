@@ -181,6 +181,31 @@ def test_invalid_material_is_refused_once_and_retried_until_it_loads(
     assert len(loads) == 1 + 6 + 1  # every poll of a broken state tried to load it
 
 
+def test_a_changed_sasl_password_file_is_a_rotation_and_an_empty_one_is_refused(
+    tmp_path: Path,
+) -> None:
+    volume = SecretVolume(tmp_path / "kafka-user")
+    volume.publish({"password": b"first\n"})
+    env = {
+        "KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+        "KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+        "KAFKA_SASL_USERNAME": "crs",
+        "KAFKA_SASL_PASSWORD_FILE": volume.path("password"),
+    }
+    files = secret_files(Config.load(env=env), env=env)
+    counter = new_secret_reload_counter(CollectorRegistry())
+    w = SecretFiles(files, lambda: Config.load(env=env), interval_s=30, counter=counter)
+    assert w.load().sasl_password == "first"
+    volume.publish({"password": b""})  # truncated while being written: no password at all
+    assert w.poll() is None
+    volume.publish({"password": b"second\n"})
+    reloaded = w.poll()
+    assert reloaded is not None
+    assert reloaded.config.sasl_password == "second"
+    assert reloaded.files == [f"KAFKA_SASL_PASSWORD_FILE={volume.path('password')}"]
+    assert (count(counter, "invalid"), count(counter, "applied")) == (1, 1)
+
+
 async def test_polls_every_interval_on_fake_time(
     mount: Mount, material: dict[str, dict[str, bytes]]
 ) -> None:
