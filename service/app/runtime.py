@@ -560,6 +560,7 @@ async def run_service(
             runtime = running.handover(
                 "rebuilding the Kafka clients with rotated secret files", outcome.config
             )
+            runtime.start_error = None  # nothing failed: /readyz says "consumer not started"
             continue
         # The Kafka client ended for good (see KafkaClientEnded) and its parts are
         # closed: start afresh in this process, as a failed start-up is, keeping the
