@@ -18,7 +18,7 @@ import sys
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from service.app.config import SETTINGS, Config, ConfigError
+from service.app.config import SETTINGS, Config, ConfigError, secret_files
 
 if TYPE_CHECKING:  # the dlq module (aiokafka) is imported only by the dlq command
     from service.app.dlq import DlqFilter
@@ -108,11 +108,15 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
     A secret comes from its variable or a file (``--*-file``), never from a flag value.
     """
+    return Config.load(overrides=_overrides(args))
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, str | None]:
     overrides: dict[str, str | None] = {}
     for s in SETTINGS:
         key = f"{s.field}_file" if s.secret else s.field
         overrides[key] = getattr(args, key)
-    return Config.load(overrides=overrides)
+    return overrides
 
 
 def secret_value_refused(args: argparse.Namespace) -> str | None:
@@ -345,7 +349,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_logging(config.log_level, config.log_format)
         from service.app.runtime import run_service
 
-        return asyncio.run(run_service(config, reload=lambda: config_from_args(args)))
+        return asyncio.run(
+            run_service(
+                config,
+                reload=lambda: config_from_args(args),
+                secret_files=secret_files(config, overrides=_overrides(args)),
+            )
+        )
     # check speaks in one line per dependency; client libraries' own logs would only
     # repeat the failure it reports.
     configure_logging("CRITICAL", config.log_format)

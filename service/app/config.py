@@ -23,7 +23,7 @@ import msgspec
 from msgspec import Meta
 from msgspec import inspect as mi
 
-__all__ = ["SETTINGS", "Config", "ConfigError", "Setting"]
+__all__ = ["SETTINGS", "Config", "ConfigError", "Setting", "secret_files"]
 
 _CLIENT_TLS = ("ssl_certfile", "ssl_keyfile", "ssl_key_password")
 # Trailing line breaks of a secret file are an editor's, not part of the secret.
@@ -106,6 +106,14 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
             "name from the downward API; default: the host name)",
         ),
     ] = None
+    secret_reload_interval_s: Annotated[
+        PositiveFloat,
+        _env(
+            "CRS_SECRET_RELOAD_INTERVAL_S",
+            "How often the TLS files and secret files (*_FILE) are checked for new content; "
+            "a change that loads rebuilds the Kafka clients with it (a certificate rotation)",
+        ),
+    ] = 30.0
     # --- topics and group
     input_topic: Annotated[
         NonEmpty, _env("CRS_INPUT_TOPIC", "Topic of Nova scheduling outcomes (input)")
@@ -652,6 +660,31 @@ def _settings(cls: type[msgspec.Struct]) -> tuple[Setting, ...]:
 
 SETTINGS: tuple[Setting, ...] = _settings(Config)
 _ENV = {s.field: s.env for s in SETTINGS}
+
+
+def secret_files(
+    config: Config,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, str | None] | None = None,
+) -> dict[str, str]:
+    """The files ``config`` was read from that a rotation changes in place: the TLS files
+    it names and the secret files (``KAFKA_SASL_PASSWORD_FILE``, ``--*-file``) of the
+    ``env`` and ``overrides`` it was loaded with, as variable (or flag) -> path."""
+    env = os.environ if env is None else env
+    overrides = overrides or {}
+    files: dict[str, str] = {}
+    if config.security_protocol in {"SSL", "SASL_SSL"}:
+        for field in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+            if path := getattr(config, field):
+                files[_ENV[field]] = path
+    for s in SETTINGS:
+        if not s.secret or overrides.get(s.field) is not None:
+            continue
+        if path := overrides.get(f"{s.field}_file"):
+            files[s.flag] = path
+        elif path := env.get(s.file_env):
+            files[s.file_env] = path
+    return files
 
 
 def _raw_value(
