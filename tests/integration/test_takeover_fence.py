@@ -129,32 +129,34 @@ async def test_a_write_held_in_flight_across_a_takeover_cannot_land_a_second_all
         (out,) = await e2e.read_all(boot, topics["output"], 1, timeout_s=90)
         decided = e2e.data_of(out)
         answer = await proxies[owner].release()
-
-    slots = {n: await f.get(clean_k8s, "reservations", n) for n in ("slot-a", "slot-b")}
-    holding = [
-        n
-        for n, obj in slots.items()
-        if vm in (obj["spec"]["committedResourceReservation"].get("allocations") or {})
-    ]
-    assert (decided["allocation"], decided["reservation"]) == ("written", "slot-b"), decided
-    assert holding == ["slot-b"], f"the VM is in {holding}; the held PATCH answered {answer!r}"
-    assert " 409 " in answer, answer
-    # The invariant monitor agrees, in both its forms. The one-shot audit reads the API:
-    clean = await asyncio.to_thread(audit_without_grace, devstack.kubeconfig)
-    assert clean.returncode == 0, (clean.stdout, clean.stderr)
-    # The survivor's gauge, once it has had its chance: a VM planted in both slots after
-    # the release shows, and it is the only one.
-    sentinel = {
-        "spec": {"committedResourceReservation": {"allocations": {"vm-sentinel": SENTINEL}}}
-    }
-    for name in ("slot-a", "slot-b"):
-        await f.merge_patch(clean_k8s, "reservations", name, sentinel)
-    duplicated = ("crs_allocation_invariant_violations", (("kind", "vm_in_multiple_slots"),))
-    deadline = time.monotonic() + 30
-    while (seen := (await e2e.metrics_at(ports[other])).get(duplicated, 0.0)) < 1:
-        assert time.monotonic() < deadline, f"the monitor never saw the sentinel\n{replicas.logs()}"
-        await asyncio.sleep(0.2)
-    assert seen == 1, f"{seen} VMs in more than one slot"
+        slots = {n: await f.get(clean_k8s, "reservations", n) for n in ("slot-a", "slot-b")}
+        holding = [
+            n
+            for n, obj in slots.items()
+            if vm in (obj["spec"]["committedResourceReservation"].get("allocations") or {})
+        ]
+        assert (decided["allocation"], decided["reservation"]) == ("written", "slot-b"), decided
+        assert holding == ["slot-b"], f"the VM is in {holding}; the held PATCH answered {answer!r}"
+        assert " 409 " in answer, answer
+        # The invariant monitor agrees, in both its forms. The one-shot audit reads the API:
+        clean = await asyncio.to_thread(audit_without_grace, devstack.kubeconfig)
+        assert clean.returncode == 0, (clean.stdout, clean.stderr)
+        # The survivor's gauge, once it has had its chance: a VM planted in both slots after
+        # the release shows, and it is the only one (its watches go through its proxy,
+        # hence inside this block).
+        sentinel = {
+            "spec": {"committedResourceReservation": {"allocations": {"vm-sentinel": SENTINEL}}}
+        }
+        for name in ("slot-a", "slot-b"):
+            await f.merge_patch(clean_k8s, "reservations", name, sentinel)
+        duplicated = ("crs_allocation_invariant_violations", (("kind", "vm_in_multiple_slots"),))
+        deadline = time.monotonic() + 30
+        while (seen := (await e2e.metrics_at(ports[other])).get(duplicated, 0.0)) < 1:
+            assert time.monotonic() < deadline, (
+                f"the monitor never saw the sentinel\n{replicas.logs()}"
+            )
+            await asyncio.sleep(0.2)
+        assert seen == 1, f"{seen} VMs in more than one slot"
 
     survivor_log = (replicas.log_dir / f"{other}.log").read_text(errors="replace")
     assert "never retrieved" not in survivor_log
