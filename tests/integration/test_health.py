@@ -19,15 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 import pytest_asyncio
 
 from service.app.config import Config
 from service.app.runtime import Runtime
 from tests import e2e
 from tests.conftest import DevStack
-
-pytestmark = pytest.mark.integration
 
 BOUND_S = 4.0
 
