@@ -205,9 +205,12 @@ def grant(*acls: tuple[int, str, int]) -> None:
     asyncio.run(create())
 
 
-def check(password: str = "crs-pw") -> subprocess.CompletedProcess[str]:
+def check(kubeconfig: str, password: str = "crs-pw") -> subprocess.CompletedProcess[str]:
+    """``crs-consumer check`` against the secured broker; Kubernetes is the dev stack's, so
+    what fails is Kafka's alone (check reports every dependency in one run)."""
     env = {
         **os.environ,
+        "KUBECONFIG": kubeconfig,
         "KAFKA_BOOTSTRAP_SERVERS": BOOTSTRAP,
         "KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
         "KAFKA_SASL_MECHANISM": "PLAIN",
@@ -230,8 +233,10 @@ def check(password: str = "crs-pw") -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_wrong_password_is_an_authentication_failure(secured_kafka: str) -> None:
-    proc = check(password="not-the-password")
+def test_wrong_password_is_an_authentication_failure(
+    secured_kafka: str, devstack: DevStack
+) -> None:
+    proc = check(devstack.kubeconfig, password="not-the-password")
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -240,8 +245,10 @@ def test_wrong_password_is_an_authentication_failure(secured_kafka: str) -> None
     assert "not-the-password" not in proc.stderr + proc.stdout
 
 
-def test_no_acls_names_every_resource_not_missing_topics(secured_kafka: str) -> None:
-    proc = check()
+def test_no_acls_names_every_resource_not_missing_topics(
+    secured_kafka: str, devstack: DevStack
+) -> None:
+    proc = check(devstack.kubeconfig)
     assert proc.returncode == 1
     err = proc.stderr
     lines = err.strip().splitlines()
@@ -253,7 +260,7 @@ def test_no_acls_names_every_resource_not_missing_topics(secured_kafka: str) -> 
     assert "topic(s) missing" not in err  # unauthorized is not "missing"
 
 
-def test_every_acl_but_the_groups_is_one_line(secured_kafka: str) -> None:
+def test_every_acl_but_the_groups_is_one_line(secured_kafka: str, devstack: DevStack) -> None:
     grant(
         (TOPIC, TOPICS["input"], READ),
         (TOPIC, TOPICS["input"], DESCRIBE),
@@ -263,7 +270,7 @@ def test_every_acl_but_the_groups_is_one_line(secured_kafka: str) -> None:
         (TOPIC, TOPICS["dlq"], DESCRIBE),
         (TXN_RES, TXN, WRITE),
     )
-    proc = check()
+    proc = check(devstack.kubeconfig)
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -271,7 +278,7 @@ def test_every_acl_but_the_groups_is_one_line(secured_kafka: str) -> None:
         f"kafka: FAILED: missing ACL for User:crs: ALLOW Read on Group:{GROUP} (literal): "
     )
     grant((GROUP_RES, GROUP, READ))
-    proc = check()
+    proc = check(devstack.kubeconfig)
     assert proc.stdout.startswith(
         f"kafka: ok, {secured_kafka} (authorizer on, DescribeAcls not allowed"
     ), proc.stderr
