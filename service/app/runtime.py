@@ -25,7 +25,7 @@ from typing import Any, TypedDict
 
 import aiohttp
 import structlog
-from aiokafka import errors as kafka_errors
+
 
 from service import backoff
 from service.app.config import Config, ConfigError
@@ -36,6 +36,7 @@ from service.crs import Recorder
 from service.crs.ports import ApiError
 from service.k8s import K8sMetrics, KubeClient, ListClusterState
 from service.k8s.cache import WatchClusterState
+from service.stream import errors as kafka_error_kinds
 from service.stream.codec import clip
 from service.stream.consumer import KafkaClientEnded, StreamService, StreamSettings
 from service.stream.kafka_probe import KafkaProbe
@@ -574,37 +575,16 @@ async def _run(runtime: Runtime, stop: asyncio.Event) -> int | str:
     return code
 
 
-# The broker refuses an ACL: configuration at the first start, a change on the broker's
-# side once the service has run (see _start_with_retry).
-_KAFKA_AUTHZ_ERRORS: tuple[type[BaseException], ...] = (
-    kafka_errors.TopicAuthorizationFailedError,
-    kafka_errors.GroupAuthorizationFailedError,
-    kafka_errors.ClusterAuthorizationFailedError,
-    kafka_errors.TransactionalIdAuthorizationFailed,
-)
-# Kafka errors that no retry fixes: credentials, ACLs, client settings (configuration).
-_KAFKA_CONFIG_ERRORS: tuple[type[BaseException], ...] = (
-    kafka_errors.AuthenticationFailedError,
-    kafka_errors.AuthenticationMethodNotSupported,
-    kafka_errors.UnsupportedSaslMechanismError,
-    kafka_errors.IllegalSaslStateError,
-    kafka_errors.KafkaConfigurationError,
-    kafka_errors.IllegalArgumentError,
-    kafka_errors.IncompatibleBrokerVersion,
-    kafka_errors.UnsupportedCodecError,
-    *_KAFKA_AUTHZ_ERRORS,
-)
-
-
 def _transient_startup_error(exc: BaseException) -> bool:
     """Worth another start-up attempt: the broker or the API server is (briefly) away.
 
     A configuration error (bad settings, a missing or unreadable file, credentials or
     ACLs that the servers refuse) is not: the process exits and says why.
     """
-    if isinstance(exc, _KAFKA_CONFIG_ERRORS):
+    kind = kafka_error_kinds.classify(exc)
+    if kafka_error_kinds.is_configuration(exc):
         return False
-    if isinstance(exc, kafka_errors.KafkaError):
+    if kind is not kafka_error_kinds.Kind.OTHER:  # any other Kafka error
         return True
     if isinstance(exc, ApiError):
         return exc.retryable
@@ -674,7 +654,7 @@ async def _start_with_retry(
         except Exception as exc:
             error = clip(f"{type(exc).__name__}: {exc}")
             transient = _transient_startup_error(exc) or (
-                restarting and isinstance(exc, (*_KAFKA_AUTHZ_ERRORS, KafkaAccessDenied))
+                restarting and (kafka_error_kinds.is_acl(exc) or isinstance(exc, KafkaAccessDenied))
             )
             # A retry keeps the HTTP server up: the kubelet restarts a pod whose liveness
             # probe goes unanswered, and /readyz says why it is not ready.
