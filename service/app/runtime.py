@@ -26,7 +26,6 @@ from typing import Any, TypedDict
 import aiohttp
 import structlog
 
-
 from service import backoff
 from service.app.config import Config, ConfigError
 from service.app.http import HealthChecks, HttpServer, LoopWatchdog
@@ -38,7 +37,7 @@ from service.k8s import K8sMetrics, KubeClient, ListClusterState
 from service.k8s.cache import WatchClusterState
 from service.stream import errors as kafka_error_kinds
 from service.stream.codec import clip
-from service.stream.consumer import KafkaClientEnded, StreamService, StreamSettings
+from service.stream.engine import KafkaClientEnded, StreamService, StreamSettings
 from service.stream.kafka_probe import KafkaProbe
 from service.stream.metrics import StreamMetrics
 from service.stream.processor import Processor

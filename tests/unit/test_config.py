@@ -397,7 +397,7 @@ def test_the_engines_own_defaults_are_the_ones_the_service_ships() -> None:
     # the engine's pacing knobs were each chosen by a measurement (BENCHMARKS.md), so the
     # two must not drift apart.
     from service.app.runtime import stream_settings
-    from service.stream.consumer import StreamSettings
+    from service.stream.engine import StreamSettings
 
     shipped = stream_settings(Config.load(env={}))
     engine = StreamSettings(input_topic=shipped.input_topic, group_id=shipped.group_id)
