@@ -42,7 +42,7 @@ from service.stream.kafka_probe import KafkaProbe
 from service.stream.metrics import StreamMetrics
 from service.stream.processor import Processor
 
-__all__ = ["Runtime", "recorder_options", "run_service", "stream_settings", "watch_options"]
+__all__ = ["Runtime", "recorder_options", "run_service", "watch_options"]
 
 log = structlog.get_logger(__name__)
 
@@ -75,38 +75,6 @@ class WatchOptions(TypedDict):
     stale_after_s: float
     backoff_base_s: float
     backoff_max_s: float
-
-
-def stream_settings(c: Config) -> StreamSettings:
-    return StreamSettings(
-        input_topic=c.input_topic,
-        group_id=c.group_id,
-        exactly_once=c.exactly_once,
-        transactional_id_prefix=c.effective_transactional_id_prefix,
-        max_batch=c.max_batch,
-        max_in_flight=c.max_in_flight,
-        key_concurrency=c.key_concurrency,
-        max_event_bytes=c.max_event_bytes,
-        commit_interval_ms=c.commit_interval_ms,
-        commit_burst=c.commit_burst,
-        txn_retry_backoff_ms=c.txn_retry_backoff_ms,
-        txn_open_ahead_ms=c.txn_open_ahead_ms,
-        commit_max_records=c.commit_max_records,
-        retry_backoff_s=c.retry_backoff_s,
-        retry_backoff_max_s=c.retry_backoff_max_s,
-        revoke_wait_s=c.revoke_wait_s,
-        # The revoke's commits get what is left of half a session (at least a second).
-        revoke_commit_s=max(1.0, c.session_timeout_ms / 2000 - c.revoke_wait_s),
-        # No heartbeat during the assignment callback either: stay well inside a session.
-        assign_wait_s=c.session_timeout_ms / 3000,
-        stop_wait_s=c.shutdown_timeout_s / 3,
-        fence_recheck_s=c.fence_recheck_s,
-        commit_timeout_s=c.commit_timeout_s,
-        poll_timeout_ms=c.poll_timeout_ms,
-        fetch_linger_ms=c.fetch_linger_ms,
-        client_args=c.kafka_client_args(),
-        consumer_args=c.kafka_consumer_args(),
-    )
 
 
 def recorder_options(c: Config) -> RecorderOptions:
@@ -239,7 +207,7 @@ class Runtime:
             max_event_bytes=c.max_event_bytes,
             max_attempts=c.max_attempts,
         )
-        self.stream = StreamService(stream_settings(c), processor, self.metrics)
+        self.stream = StreamService(StreamSettings.from_config(c), processor, self.metrics)
         bound = c.readiness_bound_s
         # Probe often enough that a healthy cluster never looks older than the bound.
         self.kafka_probe = KafkaProbe(
