@@ -15,7 +15,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -1668,27 +1667,6 @@ async def test_no_output_partition_is_added_ahead_before_the_topic_is_known(
     gate.set()
     await until(lambda: outputs(broker) == [b"v0"])
     await h.stop()
-
-
-async def test_aiokafka_still_has_what_adding_partitions_ahead_uses() -> None:
-    # No public API: if an upgrade renames these, nothing is added ahead any more and
-    # placements are committed one round trip later. This fails first.
-    from aiokafka import AIOKafkaProducer
-    from aiokafka.producer.sender import Sender
-    from aiokafka.producer.transaction_manager import TransactionManager
-
-    producer = AIOKafkaProducer(bootstrap_servers="127.0.0.1:1", transactional_id="x")
-    try:
-        assert isinstance(producer._txn_manager, TransactionManager)
-        assert callable(producer._txn_manager.maybe_add_partition_to_txn)
-        assert producer._metadata.partitions_for_topic("out") is None  # nothing known yet
-        producer._metadata._partitions["out"] = {p: SimpleNamespace(leader=0) for p in range(3)}
-        chosen = producer._partition("out", None, b"k", None, b"k", None)
-        assert chosen == partition_for_key(b"k", [0, 1, 2], [0, 1, 2])
-        # The sender adds pending partitions before the group, and mutes them until then.
-        assert "partitions_to_add" in Sender._maybe_do_transactional_request.__code__.co_names
-    finally:
-        await producer.stop()
 
 
 async def test_an_offset_that_moved_while_open_ahead_is_sent_again(broker: FakeBroker) -> None:
