@@ -1,7 +1,8 @@
 """The consume-decide-produce engine.
 
 Where it lives: :mod:`.service` (the facade: start, the fetch loop, close),
-:mod:`.settings`, :mod:`.state` (per-partition state, forgotten in one place),
+:mod:`.settings`, :mod:`.clients` (every Kafka client's arguments), :mod:`.core` (what
+the parts share), :mod:`.state` (per-partition state, forgotten in one place),
 :mod:`.lanes` (key lanes, deciding), :mod:`.committer` (when to commit: the token
 bucket, opening ahead), :mod:`.transaction` (one commit: outputs and offsets in one
 transaction), :mod:`.ownership` (assign, revoke, take over, fence), :mod:`.release`

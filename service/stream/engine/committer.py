@@ -42,6 +42,8 @@ class TokenBucket:
 
 
 class Committer(EngineCore):
+    """Each owned partition's committer task: when to commit (see :meth:`_commit_loop`)."""
+
     async def _commit_loop(self, part: Partition) -> None:
         # Commits are paced by a token bucket: one token per commit_interval_ms, at most
         # commit_burst saved. A transaction costs the broker and this process about the

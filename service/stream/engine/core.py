@@ -48,8 +48,8 @@ class EngineCore:
         self._processor = processor
         self._metrics = metrics
         self._clock = clock
-        # Where the Kafka clients are built (see service.StreamService.start and
-        # ownership.Ownership._take_over): the only place their arguments come together.
+        # The Kafka clients' constructors (fakes in the unit tests); their arguments
+        # all come from the clients module.
         self._consumer_factory = consumer_factory
         self._producer_factory = producer_factory
         self._consumer: Any = None

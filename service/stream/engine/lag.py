@@ -15,6 +15,8 @@ _FRESH_FETCH_MS = 10_000
 
 
 class Lag(EngineCore):
+    """The lag gauge, and how long a partition's last stable offset has been stuck."""
+
     def _update_unstable(self, tp: TopicPartition) -> None:
         """How long ``tp``'s last stable offset has stayed behind its high watermark.
 

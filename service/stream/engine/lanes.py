@@ -21,6 +21,8 @@ _WORKER_YIELD_EVERY = 64
 
 
 class KeyLanes(EngineCore):
+    """Records into key lanes, lanes to workers, records to the processor."""
+
     def _key_of(self, record: ConsumerRecord) -> bytes:
         if isinstance(record, unreadable.UnreadableRecord):
             return b""  # nothing to read a key from: decided at once, any lane

@@ -14,14 +14,15 @@ from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from service.stream import aiokafka_internals, deferred, errors
 from service.stream.committed import fetch_committed
+from service.stream.engine import clients
 from service.stream.engine.core import EngineCore, close_quietly, log
-from service.stream.engine.settings import transactional_id_for
 from service.stream.engine.state import TAKE_OVER_FAILED, Partition, Unsure
 from service.stream.ledger import Ledger
-from service.stream.partitioner import partition_for_key
 
 
 class Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+    """aiokafka's rebalance callbacks, handed to the engine."""
+
     def __init__(self, service: Ownership) -> None:
         self._service = service
 
@@ -33,6 +34,8 @@ class Listener(ConsumerRebalanceListener):  # type: ignore[misc]
 
 
 class Ownership(EngineCore):
+    """The group's assignment and revocation, and the take-over of each partition."""
+
     async def _on_assigned(self, assigned: list[TopicPartition]) -> None:
         self._table.assigned |= set(assigned)
         self._metrics.assigned.set(len(self._table.assigned))
@@ -110,20 +113,8 @@ class Ownership(EngineCore):
             producer = None
             try:
                 if self._s.exactly_once:
-                    # retry_backoff_ms: a transaction begun right after the previous
-                    # commit is answered CONCURRENT_TRANSACTIONS until the broker has
-                    # written that one's markers (a few ms), and aiokafka then waits its
-                    # retry back-off (default 100 ms) before asking again: measured
-                    # (bench/bench_txn.py), a back-to-back transaction took 99 ms of wall
-                    # time with 100, 18.4-18.7 ms with 10, 8.6-9.1 ms with 2. A broker
-                    # outage and its recovery cost the service the same CPU and log lines
-                    # with 2 as with 10 (aiokafka paces reconnects by other means).
-                    producer = self._producer_factory(
-                        **self._s.client_args,
-                        transactional_id=transactional_id_for(self._s.prefix, tp),
-                        retry_backoff_ms=self._s.txn_retry_backoff_ms,
-                        partitioner=partition_for_key,
-                    )
+                    args = clients.transactional_producer_args(self._s, tp)
+                    producer = self._producer_factory(**args)
                     await producer.start()  # InitProducerId: the fence
                 # Not aiokafka's fetch_committed_offsets: it takes a group-level error
                 # for "never committed", and the partition would start over (committed).

@@ -16,6 +16,8 @@ from service.stream.engine.state import TAKE_OVER_FAILED, Partition
 
 
 class Release(EngineCore):
+    """Giving a partition up, and taking it over again after a failure."""
+
     async def _release(
         self,
         tps: list[TopicPartition],

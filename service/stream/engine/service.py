@@ -13,6 +13,7 @@ from aiokafka.errors import ConsumerStoppedError
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from service.stream import aiokafka_internals, errors, unreadable
+from service.stream.engine import clients
 from service.stream.engine.committer import Committer
 from service.stream.engine.core import (
     KafkaClientEnded,
@@ -25,7 +26,6 @@ from service.stream.engine.ownership import Listener, Ownership
 from service.stream.engine.release import Release
 from service.stream.engine.state import Partition, PartitionView
 from service.stream.engine.transaction import Transactions
-from service.stream.partitioner import partition_for_key
 
 
 class StreamService(KeyLanes, Committer, Transactions, Ownership, Release, Lag):
@@ -37,19 +37,9 @@ class StreamService(KeyLanes, Committer, Transactions, Ownership, Release, Lag):
         s = self._s
         # A record aiokafka cannot parse must not raise out of getmany() (see the module).
         unreadable.install()
-        self._consumer = self._consumer_factory(
-            **s.client_args,
-            group_id=s.group_id,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            isolation_level="read_committed",
-            max_poll_records=s.max_batch,
-            **s.consumer_args,
-        )
+        self._consumer = self._consumer_factory(**clients.consumer_args(s))
         if not s.exactly_once:
-            self._shared_producer = self._producer_factory(
-                **s.client_args, enable_idempotence=True, acks="all", partitioner=partition_for_key
-            )
+            self._shared_producer = self._producer_factory(**clients.shared_producer_args(s))
             await self._shared_producer.start()
         try:
             await self._consumer.start()

@@ -7,7 +7,6 @@ import contextlib
 import time
 from typing import Any
 
-from aiokafka.errors import ProducerFenced
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from service.stream import aiokafka_internals, deferred, errors
@@ -79,6 +78,27 @@ def _retrieve(future: Any) -> None:
 
 
 class Transactions(EngineCore):
+    """A partition's commit: the engine's analogue of a checkpoint.
+
+    What the ledger has decided (a :class:`~service.stream.ledger.CommitPlan`: the
+    outputs and the offset with its done-above metadata) is committed at once or not at
+    all. A commit:
+
+     1. begins the partition producer's transaction (unless one was opened ahead);
+     2. hands every output to the producer (:meth:`_enqueue`; their deliveries);
+     3. sends the input offset to the transaction (first instead, right after another
+        transaction: see :data:`MARKERS_WINDOW_S`);
+     4. waits for every delivery (a refused record aborts: stubbed or sent alone next);
+     5. commits the transaction, then marks the plan committed in the ledger and applies
+        its counts (counted once, when published).
+
+    A failure aborts the transaction and takes the partition over afresh (fenced: waits
+    for the group instead); an outcome that is not known is kept as
+    :class:`~service.stream.engine.state.Unsure` for the next take-over to settle.
+    In at-least-once mode the shared producer sends the outputs and the consumer commits
+    the offset after them.
+    """
+
     async def _commit(self, part: Partition) -> bool:
         """Commit what the partition has decided; False if the partition was dropped."""
         async with part.commit_lock:
@@ -120,7 +140,7 @@ class Transactions(EngineCore):
             return False
         except Exception as exc:  # fenced, or broker, network or client trouble
             sender = aiokafka_internals.producer_identity(part.producer)
-            if sender is not None and not isinstance(exc, ProducerFenced):
+            if sender is not None and errors.classify(exc) is not errors.Kind.FENCED:
                 self._table.unsure[tp] = Unsure.of(plan, sender)
             self._commit_failed(part, exc)
             return False
@@ -258,7 +278,7 @@ class Transactions(EngineCore):
 
     def _commit_failed(self, part: Partition, exc: BaseException) -> None:
         """A request of ``part``'s transaction failed: fenced, or take it over afresh."""
-        if isinstance(exc, ProducerFenced):
+        if errors.classify(exc) is errors.Kind.FENCED:
             self._metrics.commit_failures.labels("fenced").inc()
             self._fenced(part)
             return
