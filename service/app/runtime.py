@@ -548,11 +548,10 @@ def _transient_startup_error(exc: BaseException) -> bool:
     A configuration error (bad settings, a missing or unreadable file, credentials or
     ACLs that the servers refuse) is not: the process exits and says why.
     """
-    kind = kafka_error_kinds.classify(exc)
     if kafka_error_kinds.is_configuration(exc):
         return False
-    if kind is not kafka_error_kinds.Kind.OTHER:  # any other Kafka error
-        return True
+    if kafka_error_kinds.classify(exc) is not kafka_error_kinds.Kind.OTHER:
+        return True  # any other Kafka error
     if isinstance(exc, ApiError):
         return exc.retryable
     if isinstance(

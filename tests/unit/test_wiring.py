@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import time
+import typing
 from typing import Any
 
 from service.app.config import SETTINGS, Config
@@ -67,6 +68,11 @@ ENGINE_ONLY = {"poll_keepalive_s", "lag_refresh_s", "txn_open_ahead_max_s"}
 def _tuned(field: str) -> str:
     """A valid value of Config ``field`` other than its default, as a variable's text."""
     default = getattr(Config(), field)
+    hint = next(s.hint for s in SETTINGS if s.field == field)
+    while typing.get_origin(hint) is typing.Annotated:
+        hint = typing.get_args(hint)[0]
+    if typing.get_origin(hint) is typing.Literal:
+        return next(str(choice) for choice in typing.get_args(hint) if choice != default)
     if isinstance(default, bool):
         return str(not default).lower()
     if isinstance(default, int):
