@@ -129,9 +129,10 @@ class Committer(EngineCore):
                 part.ahead, part.ahead_until = offset, self._clock() + self._s.txn_open_ahead_max_s
                 # Not right after the previous transaction: the broker answers the first
                 # request CONCURRENT_TRANSACTIONS meanwhile, and aiokafka retries a
-                # partition's after a fixed 20 ms, the group's sooner (see _send). Added
-                # after the offsets instead, a partition's failure (an output ACL) would
-                # surface only at the next send, as a misleading IllegalOperation.
+                # partition's after a fixed 20 ms, the group's sooner (see
+                # Transactions._send). Added after the offsets instead, a partition's
+                # failure (an output ACL) would surface only at the next send, as a
+                # misleading IllegalOperation.
                 if self._clock() - part.txn_ended >= transaction.MARKERS_WINDOW_S:
                     aiokafka_internals.add_partitions_to_txn(
                         producer, self._processor.output_topic, keys

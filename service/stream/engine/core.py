@@ -60,7 +60,7 @@ class EngineCore:
         self._background: set[asyncio.Task[Any]] = set()
         self._ends_read_at = float("-inf")
         self._reading_ends: asyncio.Task[None] | None = None
-        # Producers of revoked partitions still closing (see _drop): awaited by close().
+        # Producers of revoked partitions still closing (see Release._drop): awaited by close().
         self._closing: set[asyncio.Task[None]] = set()
         self.started = False
         self.last_loop = clock()

@@ -45,7 +45,7 @@ class Release(EngineCore):
         # The partitions' last commits run side by side (a producer each), bounded as a
         # whole: a revoke runs inside the rebalance, where aiokafka sends no heartbeat, and
         # one commit may take commit_timeout_s (a transaction coordinator loading). A
-        # commit cut short closes its partition (see _commit_locked): the next owner
+        # commit cut short closes its partition (see Transactions._commit_locked): the next owner
         # starts from whatever the broker has.
         commits = [asyncio.create_task(self._last_commit(p)) for p in parts if not p.closed]
         try:
@@ -55,7 +55,7 @@ class Release(EngineCore):
                     log.warning("release_commit_cut_short", partitions=len(late))
         finally:
             # Cut short by the bound, or this release cancelled (the shutdown budget):
-            # the commits end too, each closing its partition (see _commit_locked).
+            # the commits end too, each closing its partition (see Transactions._commit_locked).
             for task in commits:
                 task.cancel()
             if any(not task.done() for task in commits):

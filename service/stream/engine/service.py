@@ -89,7 +89,7 @@ class StreamService(KeyLanes, Committer, Transactions, Ownership, Release, Lag):
                     # before it closes its connections: one set per restart otherwise.
                     await aiokafka_internals.close_client_after_failed_stop(self._consumer)
             if self._closing:
-                # Producers of revoked partitions still closing (see _drop), including any
+                # Producers of revoked partitions still closing (see Release._drop), including any
                 # a rebalance under way revoked during LeaveGroup.
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(asyncio.gather(*self._closing), 5.0)

@@ -30,7 +30,7 @@ class Done:
 @dataclass(frozen=True, slots=True)
 class Unsure:
     """A commit whose outcome is unknown, as much as a take-over needs to count it if it
-    landed (see _landed): not its outputs, which an entry kept for a partition that moved
+    landed (see ownership._landed): not its outputs, which an entry kept for a partition that moved
     away would hold for the life of the process."""
 
     offset: int
@@ -64,14 +64,14 @@ class Partition:
         self.backpressured = False
         # One transaction at a time per producer: the committer and a revoke both commit.
         self.commit_lock = asyncio.Lock()
-        # A transaction opened ahead (see _commit_loop): the offset it has sent, and
+        # A transaction opened ahead (see Committer._commit_loop): the offset it has sent, and
         # when it is aborted if nothing has been decided by then.
         self.ahead: int | None = None
         self.ahead_until = 0.0
-        # When its producer's last transaction ended (committed or aborted): see _send.
+        # When its producer's last transaction ended (committed or aborted): see Transactions._send.
         self.txn_ended = float("-inf")
         # The partition's end offset when it was taken over: the records below it may
-        # have been processed by its previous owner (see _decide). None until known.
+        # have been processed by its previous owner (see KeyLanes._decide). None until known.
         self.replay_until: int | None = None
 
 
