@@ -26,12 +26,15 @@ from _common import (
     Cluster,
     Record,
     Timed,
+    check_mix,
+    check_workload,
     create_topics,
     delete_topics,
     env_endpoints,
     load,
     median,
     no_host_found,
+    outcomes,
     publish,
     quiet_logging,
     running_service,
@@ -41,16 +44,39 @@ from _common import (
     topic_name,
     wait_processed,
 )
+from _verdict import finish
 
 TARGET_HOSTS = 1000
 
 
-def backlog(rng: random.Random, n: int, n_hv: int, placements: float) -> Iterator[Record]:
+def backlog(
+    rng: random.Random, n: int, n_hv: int, placements: float, made: list[int]
+) -> Iterator[Record]:
+    """The backlog; ``made[0]`` counts the slot_used placements in it."""
     for _ in range(n):
         if rng.random() < placements:
+            made[0] += 1
             yield slot_used(rng, rng.randrange(min(TARGET_HOSTS, n_hv)), n_hv)
         else:
             yield no_host_found(rng, n_hv)
+
+
+def check_drained(got: dict[str, float], written: float, n: int, placements: int) -> None:
+    """The backlog as published: each placement slot_used with its allocation written,
+    the rest no-host-found with an active CR, no dead letter."""
+    check_workload(
+        got.get("placement/slot_used") == placements == written,
+        f"{placements} slot_used placements published, {got.get('placement/slot_used', 0):.0f}"
+        f" classified slot_used, {written:.0f} allocations written",
+    )
+    check_mix(
+        got,
+        n,
+        {
+            "placement/slot_used": placements / n,
+            "no_host_found/slot_exhausted|no_host_found/slot_blocked": 1 - placements / n,
+        },
+    )
 
 
 async def main() -> None:
@@ -75,11 +101,13 @@ async def main() -> None:
             print(await cluster.ensure(args.hypervisors), flush=True)
             t = time.perf_counter()
             rng = random.Random(args.seed)
+            made = [0]
             n = await publish(
                 bootstrap,
                 topics["input"],
-                backlog(rng, args.events, args.hypervisors, args.placements),
+                backlog(rng, args.events, args.hypervisors, args.placements, made),
             )
+            placements = made[0]
             print(
                 f"published a backlog of {n} events in {time.perf_counter() - t:.1f}s [{load()}]",
                 flush=True,
@@ -101,6 +129,7 @@ async def main() -> None:
                             if s.name == "crs_allocations_total" and s.labels["status"] == "written"
                         )
                         dead = sample_sum(runtime, "crs_dead_letters_total")
+                        check_drained(outcomes(runtime), written, n, placements)
                 finally:
                     timed.uninstall()
                 drain = end - max(timed.first, synced)
@@ -128,4 +157,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    finish(lambda: asyncio.run(main()))

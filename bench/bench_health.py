@@ -14,8 +14,8 @@ dev stack:
 4. An input topic created after the service started: seconds from its first record to
    that record being processed.
 
-Fails (exit 1) if a condition does not happen: a probe that never turns, a topic never
-consumed, an outage that logs nothing.
+Fails (exit 2, bench/_verdict.py) if a condition does not happen: a probe that never
+turns, a topic never consumed, an outage that logs nothing.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from _common import (
     free_port,
     load,
 )
+from _verdict import WorkloadError, finish
 
 
 async def readyz(port: int) -> tuple[int, str]:
@@ -61,7 +62,7 @@ async def until(port: int, status: int, timeout_s: float) -> tuple[float, str]:
         if code == status:
             return time.monotonic() - start, detail
         if time.monotonic() - start > timeout_s:
-            sys.exit(f"FAILED: /readyz did not become {status} within {timeout_s}s ({detail})")
+            raise WorkloadError(f"/readyz did not become {status} within {timeout_s}s ({detail})")
         await asyncio.sleep(0.25)
 
 
@@ -135,7 +136,7 @@ async def main() -> None:
                 if 'crs_dead_letters_total{code="not_json"} 1.0' in text:
                     break
                 if time.monotonic() - published > 120:
-                    sys.exit("FAILED: the topic created after start was never consumed")
+                    raise WorkloadError("the topic created after start was never consumed")
                 await asyncio.sleep(0.25)
         print(f"topic created after start: its first record processed "
               f"{time.monotonic() - published:.1f} s after it was published")  # fmt: skip
@@ -151,14 +152,14 @@ async def main() -> None:
         try:
             await devstack_up()
         except RuntimeError as exc:
-            sys.exit(f"FAILED: {exc}")
+            raise WorkloadError(str(exc)) from exc
         outage = time.monotonic() - killed
         lines = log_path.read_text().splitlines()[before:]
         library = [x for x in lines if '"logger":"aiokafka' in x]
         errors = [x for x in lines if '"level":"error"' in x]
         repeated = sum(json.loads(x).get("repeated", 0) for x in library)
         if not library:
-            sys.exit("FAILED: the outage logged nothing from the Kafka client")
+            raise WorkloadError("the outage logged nothing from the Kafka client")
         print(f"broker killed for {outage:.0f} s: /readyz 503 after {took:.1f} s ({detail!r}); "
               f"{len(lines)} log lines, {len(library)} from aiokafka, {len(errors)} at ERROR; "
               f"{repeated} identical library lines collapsed into those")  # fmt: skip
@@ -172,4 +173,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    finish(lambda: asyncio.run(main()))

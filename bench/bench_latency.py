@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -80,6 +79,7 @@ from _common import (
     wait_group_stable,
     wait_http_ok,
 )
+from _verdict import check_workload, finish, goals
 
 GOAL_UP_TO = 200.0
 
@@ -311,10 +311,7 @@ async def main() -> int:
         )
         if rate <= GOAL_UP_TO and s[2] > r[2]:
             goal = False
-    print(
-        f"goal service p99 <= raw p99 up to {GOAL_UP_TO:.0f}/s: "
-        f"{'met' if goal else 'MISSED'}   [{load()}]"
-    )
+    code = goals({f"goal service p99 <= raw p99 up to {GOAL_UP_TO:.0f}/s": goal}, f"[{load()}]")
     if bounds:
         print()
         print("write-first bound (raw loop + an unguarded PATCH per placement, overlapped), ms")
@@ -353,10 +350,9 @@ async def main() -> int:
         )
     for failure in failures:
         print(f"WORKLOAD FAILED: {failure}")
-    if failures:
-        return 1
-    return 0
+    check_workload(not failures, f"{len(failures)} run(s) failed, see above")
+    return code
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    finish(lambda: asyncio.run(main()))

@@ -30,18 +30,21 @@ import aiohttp
 from _common import (
     Cluster,
     Record,
+    check_mix,
     create_topics,
     delete_topics,
     env_endpoints,
     load,
     median,
     no_host_found,
+    outcomes,
     publish,
     service_config,
     slot_missed,
     slot_used,
     topic_name,
 )
+from _verdict import finish, goals
 
 REPO = Path(__file__).resolve().parents[1]
 MB = 1024 * 1024
@@ -72,6 +75,15 @@ async def scrape_processed(session: aiohttp.ClientSession, base: str) -> float:
         if line.startswith(("crs_events_total{", "crs_dead_letters_total{")):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+# The stream of :func:`stream`: the RSS is only a figure for this one (a stream the
+# service dead-letters never reaches the cache, the classifier or a patch).
+MIX = {
+    "no_host_found/slot_exhausted|no_host_found/slot_blocked": 0.6,
+    "placement/slot_missed": 0.35,
+    "placement/slot_used": 0.05,
+}
 
 
 def stream(rng: random.Random, n_hv: int, n: int) -> list[Record]:
@@ -127,6 +139,8 @@ async def one_run(
                 assert time.monotonic() - started < 1200, "stream not processed"
                 await asyncio.sleep(0.5)
             after = proc_status(proc.pid)
+            async with session.get(f"{base}/metrics") as resp:
+                check_mix(outcomes(await resp.text()), len(records), MIX)
         return {
             "ready_s": ready_s,
             "rss_synced": synced["VmRSS"] / MB,
@@ -142,7 +156,7 @@ async def one_run(
         await delete_topics(bootstrap, list(topics.values()))
 
 
-async def main() -> None:
+async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hypervisors", type=int, default=10_000)
     ap.add_argument("--events", type=int, default=5000)
@@ -171,9 +185,8 @@ async def main() -> None:
             f"{agg(r['rss_synced'] for r in runs):14.0f} "
             f"{agg(r['rss_after'] for r in runs):13.0f} {agg(r['hwm'] for r in runs):9.0f}"
         )
-    ok = max(r["hwm"] for r in runs) <= 600
-    print(f"goal peak RSS <= 600 MB: {'met' if ok else 'MISSED'}   [{load()}]")
+    return goals({"goal peak RSS <= 600 MB": max(r["hwm"] for r in runs) <= 600}, f"[{load()}]")
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    finish(lambda: asyncio.run(main()))

@@ -25,7 +25,6 @@ import os
 import random
 import signal
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -49,6 +48,7 @@ from _common import (
     wait_group_stable,
     wait_http_ok,
 )
+from _verdict import finish
 
 
 def accepts(bootstrap: str) -> bool:
@@ -132,14 +132,10 @@ async def main() -> int:
         f"{'backoff ms':>10} | {'down cores':>10} {'lines':>6} | "
         f"{'recovery':>10} {'lines':>6} {'over':>7}"
     )
-    try:
-        for backoff in (int(b) for b in args.backoffs.split(",")):
-            print(await one(backoff, args.down_s), flush=True)
-    except WorkloadError as exc:
-        print(f"WORKLOAD FAILED: {exc}")
-        return 1
+    for backoff in (int(b) for b in args.backoffs.split(",")):  # WorkloadError: exit 2
+        print(await one(backoff, args.down_s), flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    finish(lambda: asyncio.run(main()))

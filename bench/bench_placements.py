@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import json
 import random
-import sys
 import time
 import uuid
 
@@ -64,6 +63,7 @@ from _common import (
     wait_group_stable,
     wait_http_ok,
 )
+from _verdict import finish, goals
 
 from service.crs.ports import ConflictError
 from service.k8s import KubeClient
@@ -182,39 +182,35 @@ async def main() -> int:
         async with delay_proxy_process(upstream, args.one_way_ms, proxy_log) as proxy_port:
             far = proxied_kubeconfig(kubeconfig, proxy_port, f"{proxy_log}.kubeconfig")
             print(f"API server behind the delay proxy: +{args.one_way_ms:g} ms each way")
-            try:
-                for rep in range(args.repetitions):
-                    rng = random.Random(args.seed * 1000 + rep)
-                    targets = [rng.randrange(args.hosts) for _ in range(args.events)]
+            # A WorkloadError ends the run (finish: exit 2).
+            for rep in range(args.repetitions):
+                rng = random.Random(args.seed * 1000 + rep)
+                targets = [rng.randrange(args.hosts) for _ in range(args.events)]
+                await cluster.clear_allocations(slots)
+                rate, conflicts = await raw_loop(far, targets, rep)
+                got = await allocations_in(cluster, slots)
+                if got != len(targets):
+                    raise WorkloadError(f"raw: {got} allocations for {len(targets)} events")
+                raw.append(rate)
+                print(
+                    f"  rep {rep}: raw GET+PATCH x{WORKERS} {rate:6.1f} events/s "
+                    f"(409s {conflicts})   [{load()}]",
+                    flush=True,
+                )
+                for p in parts:
                     await cluster.clear_allocations(slots)
-                    rate, conflicts = await raw_loop(far, targets, rep)
+                    rate = await service_run(p, targets, args, far, rep)
                     got = await allocations_in(cluster, slots)
                     if got != len(targets):
-                        raise WorkloadError(f"raw: {got} allocations for {len(targets)} events")
-                    raw.append(rate)
+                        raise WorkloadError(
+                            f"service: {got} allocations for {len(targets)} placements"
+                        )
+                    svc[p].append(rate)
                     print(
-                        f"  rep {rep}: raw GET+PATCH x{WORKERS} {rate:6.1f} events/s "
-                        f"(409s {conflicts})   [{load()}]",
+                        f"  rep {rep}: service, {p} partition(s) {rate:6.1f} events/s   [{load()}]",
                         flush=True,
                     )
-                    for p in parts:
-                        await cluster.clear_allocations(slots)
-                        rate = await service_run(p, targets, args, far, rep)
-                        got = await allocations_in(cluster, slots)
-                        if got != len(targets):
-                            raise WorkloadError(
-                                f"service: {got} allocations for {len(targets)} placements"
-                            )
-                        svc[p].append(rate)
-                        print(
-                            f"  rep {rep}: service, {p} partition(s) {rate:6.1f} events/s"
-                            f"   [{load()}]",
-                            flush=True,
-                        )
-                await cluster.clear_allocations(slots)
-            except WorkloadError as exc:
-                print(f"WORKLOAD FAILED: {exc}")
-                return 1
+            await cluster.clear_allocations(slots)
 
     print()
     print(
@@ -232,11 +228,8 @@ async def main() -> int:
             f"{f'service, {p} partition(s)':22} {median(svc[p]):9.1f} {median(ratios):12.2f} "
             f"{' '.join(f'{x:.1f}' for x in svc[p]):>20}"
         )
-    print(
-        f"goal service >= {GOAL} x raw on every topic: {'met' if goal else 'MISSED'}   [{load()}]"
-    )
-    return 0
+    return goals({f"goal service >= {GOAL} x raw on every topic": goal}, f"[{load()}]")
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    finish(lambda: asyncio.run(main()))

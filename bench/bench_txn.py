@@ -22,9 +22,9 @@ offsets while the 10 ms pass, then produce and end) and opened ahead with the ou
 partition added too (then only the produce and the end). Measured: the time from the
 decision to the committed transaction, p50 and p90 of each.
 
-Fails (exit 1) when the workload did not happen: the output topic (read_committed)
-does not hold exactly one record per transaction, or the group's committed offset is
-not the last one written.
+Fails (exit 2, bench/_verdict.py) when the workload did not happen: the output topic
+(read_committed) does not hold exactly one record per transaction, or the group's
+committed offset is not the last one written.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from _common import OutputReader, create_topics, delete_topics, env_endpoints, load
+from _verdict import WorkloadError, finish
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
@@ -62,9 +62,7 @@ async def check(bootstrap: str, topic: str, group: str, n: int) -> None:
         await checker.stop()
         await delete_topics(bootstrap, [topic])
     if seen != n + 1 or committed != n:
-        raise RuntimeError(
-            f"WORKLOAD FAILED: {seen} records for {n + 1} transactions, committed {committed}"
-        )
+        raise WorkloadError(f"{seen} records for {n + 1} transactions, committed {committed}")
 
 
 @contextlib.asynccontextmanager
@@ -162,11 +160,7 @@ async def main() -> int:
     args = ap.parse_args()
     bootstrap, _ = env_endpoints()
     if args.ahead:
-        try:
-            measured = await ahead(bootstrap, args.transactions)
-        except RuntimeError as exc:
-            print(exc)
-            return 1
+        measured = await ahead(bootstrap, args.transactions)  # WorkloadError: exit 2
         print(f"{args.transactions} paced transactions, each decided 10 ms after it arrived")
         print("decision -> committed, ms      p50     p90")
         for name, times in measured.items():
@@ -177,19 +171,14 @@ async def main() -> int:
     print(f"{args.transactions} back-to-back transactions (1 offset commit + 1 record each)")
     firsts = ["offsets", "outputs"] if args.first == "both" else [args.first]
     print(f"{'retry_backoff_ms':>16} | {'first':>7} | {'wall ms/txn':>11} | {'CPU µs/txn':>10}")
-    try:
-        for backoff in (int(b) for b in args.backoffs.split(",")):
-            for first in firsts:
-                wall, cpu = await one(bootstrap, backoff, args.transactions, first)
-                print(
-                    f"{backoff:>16} | {first:>7} | {wall * 1e3:11.1f} | {cpu * 1e6:10.0f}"
-                    f"   [{load()}]"
-                )
-    except RuntimeError as exc:
-        print(exc)
-        return 1
+    for backoff in (int(b) for b in args.backoffs.split(",")):
+        for first in firsts:
+            wall, cpu = await one(bootstrap, backoff, args.transactions, first)
+            print(
+                f"{backoff:>16} | {first:>7} | {wall * 1e3:11.1f} | {cpu * 1e6:10.0f}   [{load()}]"
+            )
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    finish(lambda: asyncio.run(main()))

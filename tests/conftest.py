@@ -1,9 +1,9 @@
 """Shared fixtures.
 
-Integration tests (everything under tests/integration) talk to the real dev stack: an
-Apache Kafka broker and a kube-apiserver with the CRDs installed, brought up once per
-session by ``devstack/up``. A dev stack that cannot start fails the session loudly; it never
-turns into skipped tests.
+Integration tests (marked ``integration``: those using the ``devstack`` fixture, most of
+tests/integration) talk to the real dev stack: an Apache Kafka broker and a kube-apiserver
+with the CRDs installed, brought up once per session by ``devstack/up``. A dev stack that
+cannot start fails the session loudly; it never turns into skipped tests.
 """
 
 from __future__ import annotations
@@ -28,9 +28,6 @@ settings.register_profile("crs", deadline=None)
 settings.load_profile("crs")
 
 REPO = Path(__file__).resolve().parents[1]
-UPSTREAM_CRDS = Path(
-    os.environ.get("CRS_UPSTREAM_CRDS", REPO.parent / "shared" / "reference" / "crds")
-)
 
 # The four kinds the service reads, as (group, version, plural), from their one definition.
 KINDS = {k.plural: (k.group, k.version, k.plural) for k in RESOURCE_KINDS.values()}
@@ -45,10 +42,24 @@ class DevStack:
     env: dict[str, str]
 
 
+# What a test needs, by the fixtures it uses (the markers are registered in pyproject.toml):
+# ``integration`` the dev stack (its fixtures all start from ``devstack``), ``helm`` the
+# chart tool (``helm_built``). ``promtool`` is set by the modules that run it. A test
+# under tests/integration that renders a chart or reads a file needs neither stack nor
+# marker, so ``pytest -m integration`` selects what talks to the stack and nothing else.
+NEEDS = {"devstack": "integration", "helm_built": "helm"}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if "tests/integration" in item.nodeid or "/integration/" in str(item.path):
-            item.add_marker(pytest.mark.integration)
+        for fixture, marker in NEEDS.items():
+            uses = fixture in getattr(item, "fixturenames", ())
+            if uses:
+                item.add_marker(marker)
+            elif item.get_closest_marker(marker) is not None:
+                raise pytest.UsageError(
+                    f"{item.nodeid} is marked {marker} but does not use the {fixture} fixture"
+                )
 
 
 def read_env_file(path: Path) -> dict[str, str]:

@@ -227,10 +227,28 @@ async def running(cfg: Config) -> AsyncIterator[Runtime]:
     try:
         yield runtime
     finally:
-        runtime.request_stop()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 30)
-        await runtime.stop()
+        await _shut_down(runtime, task)
+
+
+SHUTDOWN_S = 30.0
+
+
+async def _shut_down(runtime: Runtime, task: asyncio.Task[None]) -> None:
+    """Stop the service and fail the test if its run task crashed or did not end within
+    SHUTDOWN_S of the stop request (a hang at shutdown is a bug a replica would show as a
+    SIGKILL after its grace period); the runtime is stopped in every case."""
+    runtime.request_stop()
+    done, _ = await asyncio.wait({task}, timeout=SHUTDOWN_S)
+    if not done:
+        task.cancel()
+        await asyncio.wait({task})
+    await runtime.stop()
+    if not done:
+        raise AssertionError(f"the service's run task did not end within {SHUTDOWN_S} s of stop")
+    if task.cancelled():
+        raise AssertionError("the service's run task was cancelled instead of ending")
+    if (error := task.exception()) is not None:
+        raise AssertionError(f"the service's run task crashed: {error!r}") from error
 
 
 async def new_topics(new_topic: Any, partitions: int) -> dict[str, str]:

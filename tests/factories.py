@@ -1,9 +1,10 @@
 """Builders for the four custom resources, valid under the upstream CRD schemas.
 
-Every object built here is accepted by the upstream manifests in shared/reference/crds
-(required fields included), so tests that use them also prove the project's own schemas
-accept what upstream accepts. ``create`` writes the status through the status subresource,
-because the API server drops ``.status`` on create for such CRDs.
+Every object built here is accepted by upstream Cortex's CRD manifests (required fields
+included; tests/integration/test_crd_compat.py checks it against CRS_UPSTREAM_CRDS), so
+tests that use them also prove the project's own schemas accept what upstream accepts.
+``create`` writes the status through the status subresource, because the API server drops
+``.status`` on create for such CRDs.
 """
 
 from __future__ import annotations

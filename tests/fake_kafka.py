@@ -379,6 +379,11 @@ class FakeConsumer:
     def seek(self, tp: TopicPartition, offset: int) -> None:
         self.positions[tp] = offset
 
+    async def seek_to_end(self, *tps: TopicPartition) -> bool:
+        for tp in tps:
+            self.positions[tp] = len(self.broker.logs.get(tp, []))
+        return True
+
     @property
     def _subscription(self) -> Any:
         """aiokafka's SubscriptionState as far as the engine reads it: fetch positions,

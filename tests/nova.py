@@ -1,7 +1,7 @@
 """Builders for Nova external-scheduler requests and decisions, as the wire carries them.
 
 ``request()`` produces the JSON shape of ``Decision.spec.novaRaw`` (see
-shared/reference/examples/nova-decisions.yaml): ``{"spec": {"nova_object.data": ...},
+tests/fixtures/nova-decision.yaml): ``{"spec": {"nova_object.data": ...},
 "context": ..., "hosts": [...], ...}``. It returns plain dicts so tests can put them on
 Kafka as-is or decode them with :func:`parse_request`; every field the CR logic reads is a
 parameter, everything else has a realistic fixed value.

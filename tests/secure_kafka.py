@@ -7,7 +7,12 @@ neither of which can do anything without an ACL.
 
 from __future__ import annotations
 
+import hashlib
+import os
+import secrets
 import ssl
+import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +20,17 @@ from typing import Any
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.client import AIOKafkaClient
 from aiokafka.protocol.admin import CreateAclsRequest, DeleteAclsRequest
+from aiokafka.protocol.api import Request, RequestStruct, Response
+from aiokafka.protocol.types import (
+    CompactArray,
+    CompactBytes,
+    CompactString,
+    Int8,
+    Int16,
+    Int32,
+    Schema,
+    TaggedFields,
+)
 
 from service.app.kafka_access import Acl
 
@@ -75,6 +91,33 @@ class SecureKafka:
             "KAFKA_SSL_KEY_PASSWORD_FILE": self.env["CRS_SECURE_KAFKA_MTLS_KEY_PASSWORD_FILE"],
         }
 
+    def issue_client_cert(self, cn: str, days: int = 2) -> dict[str, bytes]:
+        """A new client certificate for ``User:CN=<cn>`` from the dev CA (a random serial),
+        as a Strimzi KafkaUser's Secret holds it: ``user.crt``, ``user.key`` (encrypted)
+        and ``user.password``, by file name."""
+        pki = Path(self.env["CRS_SECURE_KAFKA_CA"]).parent
+        ca_key = pki / "ca.key"
+        assert ca_key.is_file(), f"the dev CA's key is not at {ca_key} (devstack/secure-kafka.sh)"
+        with tempfile.TemporaryDirectory() as tmp:
+            d = Path(tmp)
+            password = secrets.token_hex(16)
+            (d / "user.password").write_text(password)
+            (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+            openssl = ["openssl"]
+            for args in (
+                ["req", "-newkey", "rsa:2048", "-subj", f"/CN={cn}",
+                 "-passout", f"file:{d / 'user.password'}",
+                 "-keyout", str(d / "user.key"), "-out", str(d / "user.csr")],
+                ["x509", "-req", "-in", str(d / "user.csr"), "-CA", self.env["CRS_SECURE_KAFKA_CA"],
+                 "-CAkey", str(ca_key), "-set_serial", f"0x{secrets.token_hex(16)}",
+                 "-days", str(days), "-extfile", str(d / "client.ext"),
+                 "-out", str(d / "user.crt")],
+            ):  # fmt: skip
+                subprocess.run([*openssl, *args], check=True, capture_output=True, timeout=60)
+            return {
+                name: (d / name).read_bytes() for name in ("user.crt", "user.key", "user.password")
+            }
+
     async def create_topics(self, names: list[str], partitions: int = 2) -> None:
         admin = AIOKafkaAdminClient(**self.admin_args())
         await admin.start()
@@ -101,6 +144,18 @@ class SecureKafka:
             await admin.delete_topics(names)
         finally:
             await admin.close()
+
+    async def set_scram_password(self, user: str, password: str | None) -> None:
+        """Create the SCRAM-SHA-512 user ``user`` or change its password (``None``:
+        delete it), as Strimzi's User Operator does for a KafkaUser."""
+        client = AIOKafkaClient(**self.admin_args())
+        await client.bootstrap()
+        try:
+            response = await client.send(client.get_random_node(), _AlterScram(user, password))
+            errors = [r for r in response.results if r[1]]
+            assert not errors, f"AlterUserScramCredentials failed: {errors}"
+        finally:
+            await client.close()
 
     async def _send(self, requests: list[Any]) -> None:
         client = AIOKafkaClient(**self.admin_args())
@@ -136,3 +191,60 @@ def _acl_args(
         OPERATION[acl.operation],
         PERMISSION[permission],
     )
+
+
+# ---------------------------------------------------------------- AlterUserScramCredentials
+# Not in aiokafka (KIP-554, API key 51, flexible from v0).
+
+_SCRAM_SHA_512, _SCRAM_ITERATIONS = 2, 4096
+
+
+class _AlterScramResponse(Response):  # type: ignore[misc]
+    API_KEY = 51
+    API_VERSION = 0
+    SCHEMA = Schema(
+        ("throttle_time_ms", Int32),
+        ("results", CompactArray(
+            ("user", CompactString("utf-8")),
+            ("error_code", Int16),
+            ("error_message", CompactString("utf-8")),
+            ("tags", TaggedFields),
+        )),
+        ("tags", TaggedFields),
+    )  # fmt: skip
+
+
+class _AlterScramStruct(RequestStruct):  # type: ignore[misc]
+    API_KEY = 51
+    API_VERSION = 0
+    FLEXIBLE_VERSION = True
+    RESPONSE_TYPE = _AlterScramResponse
+    SCHEMA = Schema(
+        ("deletions", CompactArray(
+            ("name", CompactString("utf-8")), ("mechanism", Int8), ("tags", TaggedFields),
+        )),
+        ("upsertions", CompactArray(
+            ("name", CompactString("utf-8")),
+            ("mechanism", Int8),
+            ("iterations", Int32),
+            ("salt", CompactBytes),
+            ("salted_password", CompactBytes),
+            ("tags", TaggedFields),
+        )),
+        ("tags", TaggedFields),
+    )  # fmt: skip
+
+
+class _AlterScram(Request[_AlterScramStruct]):  # type: ignore[misc]
+    API_KEY = 51
+
+    def __init__(self, user: str, password: str | None) -> None:
+        self._user, self._password = user, password
+
+    def build(self, request_struct_class: type[_AlterScramStruct]) -> Any:
+        if self._password is None:
+            return request_struct_class([(self._user, _SCRAM_SHA_512, {})], [], {})
+        salt = os.urandom(32)
+        salted = hashlib.pbkdf2_hmac("sha512", self._password.encode(), salt, _SCRAM_ITERATIONS)
+        upsertion = (self._user, _SCRAM_SHA_512, _SCRAM_ITERATIONS, salt, salted, {})
+        return request_struct_class([], [upsertion], {})

@@ -1,9 +1,10 @@
 """``crs-consumer check``: can this configuration work, here and now?
 
-Prints one line per dependency; a failure is one line naming the cause, the setting and
-the fix. Exit codes: 0 everything works; 1 a dependency failed (unreachable,
-authentication, TLS, protocol, authorization, missing topics, RBAC); 2 the configuration
-is invalid (including a file setting naming a missing or unreadable file).
+Prints one line per dependency, every dependency in one run; a failure is one line naming
+the cause, the setting and the fix. Exit codes (the worst of the dependencies'): 0
+everything works; 1 a dependency failed (unreachable, authentication, TLS, protocol,
+authorization, missing topics, RBAC); 2 the configuration is invalid (including a file
+setting naming a missing or unreadable file).
 
 The causes come from the brokers' and the API server's own answers: the Kafka client's
 connection errors are captured while it bootstraps (it only logs them and raises a
@@ -28,7 +29,15 @@ from typing import Any
 from service.app.config import Config
 from service.app.kafka_access import missing_acls
 
-__all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "diagnose_kafka", "file_problems", "run_check"]
+__all__ = [
+    "EXIT_CONFIG",
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "capturing",
+    "diagnose_kafka",
+    "file_problems",
+    "run_check",
+]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -55,15 +64,18 @@ def _fail(line: str) -> None:
 
 
 async def run_check(config: Config) -> int:
+    """Every dependency in one run, each with its own cause: a failing one does not hide
+    the next. The exit code is the worst (an invalid configuration over a failure)."""
     problems = file_problems(config)
-    if problems:
-        for line in problems:
-            _fail(line)
-        return EXIT_CONFIG
-    code = await _check_kafka(config)
-    if code != EXIT_OK:
-        return code
-    return await _check_kubernetes(config)
+    for line in problems:
+        _fail(line)
+    codes = [EXIT_CONFIG if problems else EXIT_OK]
+    # A dependency whose own file is unusable is not tried; the line above says why.
+    if not any(line.startswith("kafka:") for line in problems):
+        codes.append(await _check_kafka(config))
+    if not any(line.startswith("kubernetes:") for line in problems):
+        codes.append(await _check_kubernetes(config))
+    return max(codes)
 
 
 # ---------------------------------------------------------------- files
@@ -181,7 +193,9 @@ class _Capture(logging.Handler):
 
 
 @contextmanager
-def _capturing() -> Iterator[_Capture]:
+def capturing() -> Iterator[_Capture]:
+    """The errors aiokafka logs meanwhile, collected for :func:`diagnose_kafka` instead of
+    printed: the command says the cause once, in its own words."""
     logger = logging.getLogger("aiokafka")
     capture = _Capture()
     saved = (logger.level, logger.propagate)
@@ -206,7 +220,7 @@ async def _check_kafka(config: Config) -> int:
         _fail(f"kafka: KAFKA_SSL_CAFILE={config.ssl_cafile}: not a usable CA bundle: {exc}")
         return EXIT_CONFIG
     admin = AIOKafkaAdminClient(**args, request_timeout_ms=10000)
-    with _capturing() as capture:
+    with capturing() as capture:
         try:
             await asyncio.wait_for(admin.start(), 15)
             present = await _topics_present(admin, config)

@@ -1,4 +1,4 @@
-"""Command line: ``crs-consumer run | check``.
+"""Command line: ``crs-consumer run | check | audit | dlq``.
 
 Every setting can come from its environment variable or from a flag of the same name
 (``CRS_INPUT_TOPIC`` ↔ ``--input-topic``); the flag wins. Exit codes: 0 success, 1 a
@@ -18,7 +18,7 @@ import sys
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from service.app.config import SETTINGS, Config, ConfigError
+from service.app.config import SETTINGS, Config, ConfigError, secret_files
 
 if TYPE_CHECKING:  # the dlq module (aiokafka) is imported only by the dlq command
     from service.app.dlq import DlqFilter
@@ -86,6 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
         ("check", "validate the configuration and connectivity to Kafka and Kubernetes"),
     ):
         add_settings(sub.add_parser(name, help=text, description=text))
+    text = "report what violates the allocation invariants, from one listing (never writes)"
+    p = sub.add_parser(
+        "audit",
+        help=text,
+        description=text + ": a VM in more than one Reservation for longer than "
+        "CRS_INVARIANT_GRACE_S (counted from its allocations' creationTimestamp: one-shot, "
+        "no history), an overfilled slot, a malformed allocation, allocations without a "
+        "targetHost",
+        epilog="exit codes: 0 nothing found; 1 violations found; 2 the API server could not "
+        "be read, or an invalid command line or configuration",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON document instead of a table")
+    add_settings(p)
     _add_operability(parser, sub)
     return parser
 
@@ -95,11 +108,15 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
     A secret comes from its variable or a file (``--*-file``), never from a flag value.
     """
+    return Config.load(overrides=_overrides(args))
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, str | None]:
     overrides: dict[str, str | None] = {}
     for s in SETTINGS:
         key = f"{s.field}_file" if s.secret else s.field
         overrides[key] = getattr(args, key)
-    return Config.load(overrides=overrides)
+    return overrides
 
 
 def secret_value_refused(args: argparse.Namespace) -> str | None:
@@ -249,6 +266,15 @@ async def until_signalled(work: Coroutine[Any, Any, int], *, note: str = "") -> 
 
 
 def _run_dlq(args: argparse.Namespace, config: Config, flt: DlqFilter) -> int:
+    from service.app.check import capturing
+
+    with capturing() as capture:
+        return _dlq_action(args, config, flt, capture.errors)
+
+
+def _dlq_action(
+    args: argparse.Namespace, config: Config, flt: DlqFilter, errors: list[BaseException]
+) -> int:
     from service.app import dlq
 
     try:
@@ -277,10 +303,9 @@ def _run_dlq(args: argparse.Namespace, config: Config, flt: DlqFilter) -> int:
                 ),
             )
         )
-    except Exception as exc:  # one line, not a traceback: the cause is in the text
-        print(
-            f"crs-consumer dlq {args.action}: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr
-        )
+    except Exception as exc:  # one line, not a traceback: the cause in words, as check says it
+        cause = dlq.failure(exc, errors, config)
+        print(f"crs-consumer dlq {args.action}: FAILED: {cause}", file=sys.stderr)
         return 1
 
 
@@ -298,12 +323,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from service.app.logs import configure_logging
 
-    if args.command in {"run", "dlq"}:
+    if args.command in {"run", "dlq", "audit"}:
         from service.app.check import file_problems
 
         # A missing CA bundle or kubeconfig is a configuration error, named as one; dlq
         # talks to Kafka only, so its kubeconfig is none of its business.
-        problems = file_problems(config, kubernetes=args.command == "run")
+        problems = file_problems(config, kubernetes=args.command != "dlq")
         for line in problems:
             print(f"crs-consumer: invalid configuration: {line}", file=sys.stderr)
         if problems:
@@ -314,11 +339,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         configure_logging("ERROR", config.log_format)
         return _run_dlq(args, config, flt)
+    if args.command == "audit":
+        # The report is the output; the client libraries' logs would only repeat a failure.
+        configure_logging("CRITICAL", config.log_format)
+        from service.app.audit import run_audit
+
+        return asyncio.run(run_audit(config, as_json=args.json))
     if args.command == "run":
         configure_logging(config.log_level, config.log_format)
         from service.app.runtime import run_service
 
-        return asyncio.run(run_service(config, reload=lambda: config_from_args(args)))
+        return asyncio.run(
+            run_service(
+                config,
+                reload=lambda: config_from_args(args),
+                secret_files=secret_files(config, overrides=_overrides(args)),
+            )
+        )
     # check speaks in one line per dependency; client libraries' own logs would only
     # repeat the failure it reports.
     configure_logging("CRITICAL", config.log_format)

@@ -13,6 +13,7 @@ from, so an operator can fix a Deployment without reading code.
 from __future__ import annotations
 
 import os
+import socket
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import msgspec
 from msgspec import Meta
 from msgspec import inspect as mi
 
-__all__ = ["SETTINGS", "Config", "ConfigError", "Setting"]
+__all__ = ["SETTINGS", "Config", "ConfigError", "Setting", "secret_files"]
 
 _CLIENT_TLS = ("ssl_certfile", "ssl_keyfile", "ssl_key_password")
 # Trailing line breaks of a secret file are an editor's, not part of the secret.
@@ -88,6 +89,31 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
         str | None,
         _env("KAFKA_SSL_KEY_PASSWORD", "Password of an encrypted KAFKA_SSL_KEYFILE", secret=True),
     ] = None
+    client_id: Annotated[
+        NonEmpty | None,
+        _env(
+            "KAFKA_CLIENT_ID",
+            "Kafka client.id of this replica's consumer, producers and admin client: how "
+            "brokers name it in logs, quotas and consumer-group listings "
+            "(default: <CRS_GROUP_ID>-<CRS_POD_NAME>)",
+        ),
+    ] = None
+    pod_name: Annotated[
+        NonEmpty | None,
+        _env(
+            "CRS_POD_NAME",
+            "This replica's name, for the default KAFKA_CLIENT_ID (the chart sets the pod's "
+            "name from the downward API; default: the host name)",
+        ),
+    ] = None
+    secret_reload_interval_s: Annotated[
+        PositiveFloat,
+        _env(
+            "CRS_SECRET_RELOAD_INTERVAL_S",
+            "How often the TLS files and secret files (*_FILE) are checked for new content; "
+            "a change that loads rebuilds the Kafka clients with it (a certificate rotation)",
+        ),
+    ] = 30.0
     # --- topics and group
     input_topic: Annotated[
         NonEmpty, _env("CRS_INPUT_TOPIC", "Topic of Nova scheduling outcomes (input)")
@@ -101,6 +127,17 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     group_id: Annotated[NonEmpty, _env("CRS_GROUP_ID", "Kafka consumer group")] = (
         "cortex-crs-consumer"
     )
+    auto_offset_reset: Annotated[
+        Literal["earliest", "latest"],
+        _env(
+            "CRS_AUTO_OFFSET_RESET",
+            "Where a partition the group has no committed offset for (a new or renamed group), "
+            "or whose committed offset is out of range (retention deleted it), starts: "
+            "earliest replays the retained records (each is counted and classified again, "
+            "its classification published again); latest starts at the end and skips every "
+            "record published before",
+        ),
+    ] = "earliest"
     exactly_once: Annotated[
         bool, _env("CRS_EXACTLY_ONCE", "Commit outputs and input offsets in one Kafka transaction")
     ] = True
@@ -302,6 +339,15 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     watch_backoff_max_s: Annotated[
         PositiveFloat, _env("CRS_WATCH_BACKOFF_MAX_S", "Cap of the watch retry wait")
     ] = 30.0
+    invariant_grace_s: Annotated[
+        Annotated[float, Meta(ge=0)],
+        _env(
+            "CRS_INVARIANT_GRACE_S",
+            "How long one VM may be listed in more than one Reservation before the "
+            "allocation invariant monitor (watch mode) and `audit` report it "
+            "(Cortex's allocationGracePeriod)",
+        ),
+    ] = 900.0
     # --- HTTP, logs, lifecycle
     http_host: Annotated[
         NonEmpty, _env("CRS_HTTP_HOST", "Address of the HTTP server (/metrics, /healthz, /readyz)")
@@ -414,6 +460,12 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
         return self.transactional_id_prefix or self.group_id
 
     @property
+    def effective_client_id(self) -> str:
+        """KAFKA_CLIENT_ID, else the group and this replica's (pod's) name: each replica
+        tells itself apart in the broker's logs and group listings, all share the prefix."""
+        return self.client_id or f"{self.group_id}-{self.pod_name or socket.gethostname()}"
+
+    @property
     def effective_watch_timeout_s(self) -> float:
         """Watch renewals well inside the readiness bound, unless set."""
         if self.watch_timeout_s is not None:
@@ -425,6 +477,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
         args: dict[str, Any] = {
             "bootstrap_servers": self.bootstrap_servers,
             "security_protocol": self.security_protocol,
+            "client_id": self.effective_client_id,
         }
         if self.security_protocol.startswith("SASL_"):
             args |= {
@@ -607,6 +660,31 @@ def _settings(cls: type[msgspec.Struct]) -> tuple[Setting, ...]:
 
 SETTINGS: tuple[Setting, ...] = _settings(Config)
 _ENV = {s.field: s.env for s in SETTINGS}
+
+
+def secret_files(
+    config: Config,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, str | None] | None = None,
+) -> dict[str, str]:
+    """The files ``config`` was read from that a rotation changes in place: the TLS files
+    it names and the secret files (``KAFKA_SASL_PASSWORD_FILE``, ``--*-file``) of the
+    ``env`` and ``overrides`` it was loaded with, as variable (or flag) -> path."""
+    env = os.environ if env is None else env
+    overrides = overrides or {}
+    files: dict[str, str] = {}
+    if config.security_protocol in {"SSL", "SASL_SSL"}:
+        for field in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+            if path := getattr(config, field):
+                files[_ENV[field]] = path
+    for s in SETTINGS:
+        if not s.secret or overrides.get(s.field) is not None:
+            continue
+        if path := overrides.get(f"{s.field}_file"):
+            files[s.flag] = path
+        elif path := env.get(s.file_env):
+            files[s.file_env] = path
+    return files
 
 
 def _raw_value(

@@ -171,9 +171,9 @@ async def read_dlq(
         isolation_level="read_committed",
         auto_offset_reset="earliest",
     )
-    await consumer.start()
     read = 0
     try:
+        await consumer.start()  # inside: a failed start's connections are closed below
         # An assign-only consumer tracks no topics; ask the cluster directly.
         cluster = await consumer._client.fetch_all_metadata()
         parts = cluster.partitions_for_topic(config.dlq_topic)
@@ -499,6 +499,18 @@ class _Position(NamedTuple):
     @classmethod
     def of(cls, r: DlqRecord) -> _Position:
         return cls(r.redrive_count, r.timestamp_ms, r.partition, r.offset)
+
+
+def failure(exc: BaseException, errors: Sequence[BaseException], config: Config) -> str:
+    """Why a dlq run failed, in plain words and once: a Kafka failure diagnosed as ``check``
+    does (from the client's own logged ``errors``), anything else by its message."""
+    from aiokafka.errors import KafkaError
+
+    from service.app.check import diagnose_kafka
+
+    if isinstance(exc, KafkaError | OSError | TimeoutError):
+        return diagnose_kafka([*errors, exc], config)
+    return str(exc) or type(exc).__name__
 
 
 def redrive_transactional_id(config: Config) -> str:

@@ -20,18 +20,22 @@ import random
 import signal
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypedDict
 
 import aiohttp
 import structlog
+from prometheus_client import Counter
 
 from service import backoff
+from service.app.audit import watch_invariants
 from service.app.config import Config, ConfigError
 from service.app.http import HealthChecks, HttpServer, LoopWatchdog
 from service.app.kafka_access import KafkaAccessDenied
 from service.app.kafka_access import ensure_access as ensure_kafka_access
+from service.app.rotation import Reloaded, SecretFiles, new_secret_reload_counter
 from service.crs import Recorder
+from service.crs.invariants import KINDS
 from service.crs.ports import ApiError
 from service.k8s import K8sMetrics, KubeClient, ListClusterState
 from service.k8s.cache import WatchClusterState
@@ -75,6 +79,7 @@ class WatchOptions(TypedDict):
     stale_after_s: float
     backoff_base_s: float
     backoff_max_s: float
+    invariant_grace_s: float
 
 
 def recorder_options(c: Config) -> RecorderOptions:
@@ -100,6 +105,7 @@ def watch_options(c: Config) -> WatchOptions:
         "stale_after_s": c.watch_stale_after_s,
         "backoff_base_s": c.watch_backoff_s,
         "backoff_max_s": c.watch_backoff_max_s,
+        "invariant_grace_s": c.invariant_grace_s,
     }
 
 
@@ -138,6 +144,7 @@ class _Front:
     watchdog_task: asyncio.Task[None]
     metrics: StreamMetrics
     k8s_metrics: K8sMetrics
+    secret_reloads: Counter
     kube: tuple[KubeClient, ListClusterState | WatchClusterState, tuple[object, ...]] | None
 
 
@@ -158,8 +165,14 @@ class Runtime:
         if front is None:
             self.metrics = StreamMetrics()
             self.k8s_metrics = K8sMetrics(self.metrics.registry)
+            if config.k8s_read_mode == "watch":
+                # Every kind at 0 from the first scrape on (the monitor sets them later).
+                for kind in KINDS:
+                    self.metrics.invariant_violations.labels(kind)
+            self.secret_reloads = new_secret_reload_counter(self.metrics.registry)
         else:
             self.metrics, self.k8s_metrics = front.metrics, front.k8s_metrics
+            self.secret_reloads = front.secret_reloads
             self.http, self.watchdog, self._watchdog_task = (
                 front.http,
                 front.watchdog,
@@ -193,6 +206,13 @@ class Runtime:
         self._tasks.append(asyncio.create_task(self._health_monitor(), name="health-monitor"))
         await ensure_kafka_access(c)  # a missing ACL fails the start, named, not the loop
         state = await self._start_kube()
+        if isinstance(state, WatchClusterState):
+            self._tasks.append(
+                asyncio.create_task(
+                    watch_invariants(state.invariants, self.metrics.invariant_violations),
+                    name="invariant-monitor",
+                )
+            )
         recorder = Recorder(
             state,
             placement_counter=self.metrics.placement,
@@ -277,7 +297,13 @@ class Runtime:
                 assert self._kube_settings is not None
                 kube = (self.client, self.state, self._kube_settings)
             front = _Front(
-                self.http, self.watchdog, self._watchdog_task, self.metrics, self.k8s_metrics, kube
+                self.http,
+                self.watchdog,
+                self._watchdog_task,
+                self.metrics,
+                self.k8s_metrics,
+                self.secret_reloads,
+                kube,
             )
         successor = Runtime(config or self.config, front=front)
         successor.start_error = error
@@ -450,21 +476,39 @@ async def _close(part: str, close: Callable[[], Awaitable[object]]) -> None:
         raise
 
 
-async def run_service(config: Config, reload: Callable[[], Config] | None = None) -> int:
+async def run_service(
+    config: Config,
+    reload: Callable[[], Config] | None = None,
+    *,
+    secret_files: Mapping[str, str] | None = None,
+) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code. ``reload`` reads the
     configuration again (its secret files may have been rotated) for each attempt after
-    a failed start or an ended Kafka client."""
+    a failed start or an ended Kafka client. ``secret_files`` (variable -> path, see
+    ``config.secret_files``): polled while running; new content that loads rebuilds the
+    Kafka clients with it (see ``service.app.rotation``)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    watcher = None
+    if reload is not None and secret_files:
+        watcher = SecretFiles(secret_files, reload, interval_s=config.secret_reload_interval_s)
+        # Every load through the watcher, so it knows the content each one was read
+        # from; this first one because the files may have changed since ``config``.
+        reload = watcher.load
+        config = _reloaded(reload) or config
     runtime = Runtime(config)
-    restarts = 0
+    if watcher is not None:
+        watcher.counter = runtime.secret_reloads
+    restarts = rotations = 0
     jitter = random.Random()
     while True:
         # Transient Kafka/Kubernetes errors are retried; a configuration error exits.
         try:
-            running = await _start_with_retry(runtime, stop, reload, restarting=restarts > 0)
+            running = await _start_with_retry(
+                runtime, stop, reload, restarting=restarts > 0 or rotations > 0
+            )
         except ConfigError:
             # A setting found wrong only at start-up (CRS_HTTP_HOST not on this host): the
             # exit code of any invalid setting, not that of a failed start.
@@ -472,9 +516,19 @@ async def run_service(config: Config, reload: Callable[[], Config] | None = None
         if running is None:
             return 0 if stop.is_set() else 1
         began = time.monotonic()
-        outcome = await _run(running, stop)
+        outcome = await _run(running, stop, watcher)
         if isinstance(outcome, int):
             return outcome
+        if isinstance(outcome, Reloaded):
+            # The work in hand is committed and the group left (see _run): the next
+            # attempt starts at once, with clients built from the new files.
+            rotations += 1
+            log.info("kafka_clients_rebuilding", reason="secret files rotated", files=outcome.files)
+            runtime = running.handover(
+                "rebuilding the Kafka clients with rotated secret files", outcome.config
+            )
+            runtime.start_error = None  # nothing failed: /readyz says "consumer not started"
+            continue
         # The Kafka client ended for good (see KafkaClientEnded) and its parts are
         # closed: start afresh in this process, as a failed start-up is, keeping the
         # HTTP server (/readyz says why), the metrics and the Kubernetes side (see
@@ -493,13 +547,27 @@ async def run_service(config: Config, reload: Callable[[], Config] | None = None
             await asyncio.wait_for(stop.wait(), delay)
 
 
-async def _run(runtime: Runtime, stop: asyncio.Event) -> int | str:
-    """Run the started ``runtime`` until a stop signal or its end, then stop it; returns
-    the exit code, or why the Kafka client ended (the parts stopped, the front kept)."""
+async def _run(
+    runtime: Runtime, stop: asyncio.Event, watcher: SecretFiles | None = None
+) -> int | str | Reloaded:
+    """Run the started ``runtime`` until a stop signal, its end or a rotation of its
+    secret files, then stop it; returns the exit code, why the Kafka client ended, or the
+    rotated files' configuration (for these two the parts stopped, the front kept)."""
     config = runtime.config
     run_task = asyncio.create_task(runtime.run(), name="consume-loop")
     stop_task = asyncio.create_task(stop.wait(), name="stop-signal")
-    done, _ = await asyncio.wait({run_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    waits: set[asyncio.Task[Any]] = {run_task, stop_task}
+    rotation = None
+    if watcher is not None:
+        rotation = asyncio.create_task(watcher.next_change(), name="secret-files")
+        waits.add(rotation)
+    try:
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if rotation is not None and not rotation.done():
+            await _cancel(rotation)
+    if rotation in done and not done & {run_task, stop_task}:
+        return await _rebuild(runtime, run_task, stop_task, rotation.result())
     code = 0
     if run_task in done and (failed := run_task.exception()) is not None:
         if not isinstance(failed, KafkaClientEnded):
@@ -515,31 +583,67 @@ async def _run(runtime: Runtime, stop: asyncio.Event) -> int | str:
                 pass
             return clip(str(failed))
     log.info("shutting_down")
-    runtime.request_stop()
-    deadline = config.shutdown_timeout_s
     started = time.monotonic()
-    # Most of the budget goes to finishing the batch in hand (the loop stops taking new
-    # records at once and commits what is done); the rest is kept for closing the
-    # clients, which leaves the group (a transaction the budget cut short is aborted
-    # by the partition's next owner, or by the broker after its transaction timeout).
-    finish_budget = deadline * 0.7
-    try:
-        await asyncio.wait_for(asyncio.shield(run_task), finish_budget)
-    except TimeoutError:
-        log.warning("shutdown_abandoning_in_flight_work")
-        run_task.cancel()
-        with contextlib.suppress(BaseException):
-            await asyncio.wait_for(run_task, 2.0)
-    except Exception:  # already logged above
-        pass
+    await _finish(runtime, run_task)
     stop_task.cancel()
-    remaining = max(1.0, deadline - (time.monotonic() - started))
+    remaining = max(1.0, config.shutdown_timeout_s - (time.monotonic() - started))
     try:
         await asyncio.wait_for(runtime.stop(), remaining)
     except TimeoutError:
         log.warning("shutdown_timed_out")
     log.info("stopped", exit_code=code)
     return code
+
+
+async def _finish(runtime: Runtime, run_task: asyncio.Task[None]) -> None:
+    """Ask the consume loop to stop and wait for it, bounded: it stops taking records at
+    once and commits what is done. Most of the shutdown budget goes to that; the rest is
+    kept for closing the clients, which leaves the group (a transaction the budget cut
+    short is aborted by the partition's next owner, or by the broker after its
+    transaction timeout)."""
+    runtime.request_stop()
+    try:
+        await asyncio.wait_for(asyncio.shield(run_task), runtime.config.shutdown_timeout_s * 0.7)
+    except TimeoutError:
+        log.warning("shutdown_abandoning_in_flight_work")
+        run_task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(run_task, 2.0)
+    except Exception:  # the caller looks at the task's outcome
+        pass
+
+
+async def _rebuild(
+    runtime: Runtime,
+    run_task: asyncio.Task[None],
+    stop_task: asyncio.Task[bool],
+    reloaded: Reloaded,
+) -> int | Reloaded:
+    """Take the running ``runtime``'s Kafka side down in order for a rebuild with the
+    rotated files: the way a shutdown does (the work in hand processed and committed,
+    the transactions ended, the group left: nothing lost, nothing written twice, the
+    partitions resumed by the next clients from the committed offsets) but keeping the
+    front (see _Front), as a restart after an ended Kafka client does."""
+    config = runtime.config
+    started = time.monotonic()
+    await _finish(runtime, run_task)
+    stop_task.cancel()
+    failed = None if run_task.cancelled() else run_task.exception()
+    if failed is not None and not isinstance(failed, KafkaClientEnded):
+        # The loop failed while finishing: as when it fails while running, the process
+        # ends (with every part closed) instead of building clients for it again.
+        log.error("consume_loop_failed", error=repr(failed))
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(runtime.stop(), config.shutdown_timeout_s)
+        return 1
+    remaining = max(1.0, config.shutdown_timeout_s - (time.monotonic() - started))
+    try:
+        await asyncio.wait_for(runtime.stop(keep_front=True), remaining)
+    except TimeoutError:
+        log.warning("restart_stop_timed_out", timeout_s=config.shutdown_timeout_s)
+    except Exception:  # each part's failure is logged by stop()
+        pass
+    return reloaded
 
 
 def _transient_startup_error(exc: BaseException) -> bool:

@@ -42,6 +42,7 @@ from typing import Any, Final
 import structlog
 
 from service.crs.flavors import FLAVOR_GROUPS_KNOWLEDGE_NAME
+from service.crs.invariants import DEFAULT_GRACE_S, InvariantIndex
 from service.crs.ports import ClusterState, Snapshot, UnavailableError
 from service.k8s.client import (
     COMMITTED_RESOURCES,
@@ -90,7 +91,9 @@ class WatchClusterState(ClusterState):
     waits for the initial sync; ``stale_after_s`` is how long a watch may be down (while
     it reconnects) before requests fail and :meth:`ready` reports it;
     ``silence_bound_s`` is how long a watch may deliver nothing at all (no event, no
-    bookmark, no renewal) before :meth:`ready` reports it. The informers list and watch
+    bookmark, no renewal) before :meth:`ready` reports it. ``invariant_grace_s`` is the
+    grace of :attr:`invariants` (the allocation invariant monitor, see
+    :mod:`service.crs.invariants`). The informers list and watch
     through ``transport`` (default: ``client``); fresh reads and writes always go
     through ``client``.
     """
@@ -113,6 +116,7 @@ class WatchClusterState(ClusterState):
         backoff_base_s: float = 0.5,
         backoff_max_s: float = 30.0,
         transport: ListWatch | None = None,
+        invariant_grace_s: float = DEFAULT_GRACE_S,
     ) -> None:
         self._client = client
         self._page_size = page_size
@@ -127,6 +131,9 @@ class WatchClusterState(ClusterState):
 
         self._indexes = ClusterIndexes()
         indexes = self._indexes
+        # The read-only allocation invariant monitor, fed every CR Reservation change
+        # (O(that object's allocations) each; the runtime ticks it and exports it).
+        self.invariants = InvariantIndex(grace_s=invariant_grace_s)
         # Names of the cached CR Reservations by spec.targetHost, Ready or not: which
         # objects reservations_on_host reads fresh.
         self._names_by_host: dict[str, set[str]] = {}
@@ -149,6 +156,7 @@ class WatchClusterState(ClusterState):
             on_change=self._on_reservation,
             label_selector=CR_RESERVATION_SELECTOR,
             keep=_is_cr_reservation,
+            on_undecodable=self.invariants.undecodable,
             options=opts,
         )
         self.committed_resources: Informer[CommittedResource] = Informer(
@@ -178,6 +186,7 @@ class WatchClusterState(ClusterState):
 
     def _on_reservation(self, old: Reservation | None, new: Reservation | None) -> None:
         self._indexes.on_reservation(old, new)
+        self.invariants.update(old, new)
         by_host = self._names_by_host
         if old is not None:
             names = by_host.get(old.spec.target_host)

@@ -187,6 +187,8 @@ class WatchEvent(Generic[T]):
     name: str
     resource_version: str
     object: T | None = None
+    # An ADDED/MODIFIED object that did not decode: where it failed ("$" if unknown).
+    undecodable_at: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +197,9 @@ class ListResult(Generic[T]):
 
     items: list[T]
     resource_version: str
+    # (name, decode error path) of the listed objects left out because they do not
+    # decode into the model (the invariant monitor reports them).
+    undecodable: tuple[tuple[str, str], ...] = ()
 
 
 _LIST_TYPES: dict[type[Any], Any] = {}
@@ -499,6 +504,7 @@ class KubeClient:
         restarts = 0
         while True:
             items: list[T] = []
+            skipped: list[tuple[str, str]] = []
             token: str | None = None
             try:
                 while True:
@@ -508,12 +514,13 @@ class KubeClient:
                     if token:
                         kwargs["_continue"] = token
                     raw = await self._list_page(kind, **kwargs)
-                    page = self._decode_list(raw, type_, kind)
+                    page = self._decode_list(raw, type_, kind, skipped)
                     if page.items:
                         items.extend(page.items)
                     token = page.metadata.continue_
                     if not token:
-                        return ListResult(items, page.metadata.resourceVersion or "")
+                        rv = page.metadata.resourceVersion or ""
+                        return ListResult(items, rv, tuple(skipped))
             except UnavailableError as exc:
                 if exc.status != 410 or token is None or restarts >= _MAX_LIST_RESTARTS:
                     raise
@@ -639,7 +646,14 @@ class KubeClient:
                 422, f"decode {kind.plural}/{name} failed at {exc.path}: {exc}", kind=kind.plural
             ) from exc
 
-    def _decode_list(self, raw: bytes, type_: type[T], kind: ResourceKind) -> _ObjectList[T]:
+    def _decode_list(
+        self,
+        raw: bytes,
+        type_: type[T],
+        kind: ResourceKind,
+        skipped: list[tuple[str, str]] | None = None,
+    ) -> _ObjectList[T]:
+        """One page; ``skipped`` gets (name, path) of each item that does not decode."""
         try:
             return from_k8s(raw, _list_type(type_))
         except DecodeError:
@@ -657,10 +671,13 @@ class KubeClient:
             try:
                 good.append(from_k8s(bytes(item), type_))
             except DecodeError as exc:
+                name = _meta_of(bytes(item)).name
+                if skipped is not None:
+                    skipped.append((name, exc.path or "$"))
                 _log.warning(
                     "skipping undecodable object",
                     kind=kind.plural,
-                    name=_meta_of(bytes(item)).name,
+                    name=name,
                     path=exc.path,
                     error=str(exc)[:_STATUS_MESSAGE_LIMIT],
                 )
@@ -790,6 +807,8 @@ class WatchStream(Generic[Obj]):
                 path=exc.path,
                 error=str(exc)[:_STATUS_MESSAGE_LIMIT],
             )
-            return WatchEvent(etype_, meta.name, meta.resourceVersion)
+            if etype_ == "DELETED":
+                return WatchEvent(etype_, meta.name, meta.resourceVersion)
+            return WatchEvent(etype_, meta.name, meta.resourceVersion, None, exc.path or "$")
         meta_ = obj.metadata
         return WatchEvent(etype_, meta_.name or "", meta_.resource_version or "", obj)

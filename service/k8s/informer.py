@@ -136,6 +136,10 @@ class Informer(Generic[T]):
     """Keeps a newer-wins store of one kind current and reports every change.
 
     ``on_change(old, new)`` and ``keep`` are the store's (see :class:`Store`).
+    ``on_undecodable(name, path)``: an object the server has but that does not decode
+    into ``type_`` (it counts as absent from the store), with the path where decoding
+    failed; ``path`` None once that is over (it decoded again, was deleted, or a relist
+    no longer has it).
     ``clock`` and ``sleep`` are the time it runs on (the unit tests fake both).
     """
 
@@ -148,6 +152,7 @@ class Informer(Generic[T]):
         on_change: Callable[[T | None, T | None], None],
         label_selector: str | None = None,
         keep: Callable[[T], bool] | None = None,
+        on_undecodable: Callable[[str, str | None], None] | None = None,
         options: InformerOptions | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
@@ -164,6 +169,8 @@ class Informer(Generic[T]):
         self._log = _log.bind(kind=kind.plural)
 
         self._store: Store[T] = Store(on_change, keep=keep)
+        self._on_undecodable = on_undecodable
+        self._undecodable: set[str] = set()
         self._rv = ""  # where the next watch starts: last list, event or bookmark
         self._synced = asyncio.Event()
         self._connected_since: float | None = None
@@ -271,7 +278,22 @@ class Informer(Generic[T]):
         a, b = rv_int(obj.metadata.resource_version), rv_int(self._rv)
         if a is not None and b is not None and a <= b:
             return False
-        return self._store.upsert(obj)
+        applied = self._store.upsert(obj)
+        if applied:
+            self._decodes(obj.metadata.name or "", None)
+        return applied
+
+    def _decodes(self, name: str, path: str | None) -> None:
+        """Track and report an object that does not decode (``path``), or no longer."""
+        report = self._on_undecodable
+        if report is None:
+            return
+        if path is not None:
+            self._undecodable.add(name)
+            report(name, path)
+        elif name in self._undecodable:
+            self._undecodable.discard(name)
+            report(name, None)
 
     # --- the loop -------------------------------------------------------------------
 
@@ -387,6 +409,11 @@ class Informer(Generic[T]):
             self.kind, self._type, label_selector=self._selector, limit=self._opts.page_size
         )
         changed, removed = self._store.replace(result.items, result.resource_version)
+        undecodable = dict(result.undecodable)
+        for name in self._undecodable - undecodable.keys():
+            self._decodes(name, None)
+        for name, path in undecodable.items():
+            self._decodes(name, path)
         self._rv = result.resource_version
         self._last_activity = self._clock()
         self._silent_end = False  # the whole state delivered: the next watch counts
@@ -467,7 +494,10 @@ class Informer(Generic[T]):
         if obj is None or event.type == "DELETED":
             # An object that does not decode counts as absent (the client logged it).
             self._store.delete(event.name, rv or None)
+            deleted = event.type == "DELETED"
+            self._decodes(event.name, None if deleted else event.undecodable_at or "$")
         else:
             self._store.upsert(obj)
+            self._decodes(obj.metadata.name or "", None)
         if rv:
             self._rv = rv

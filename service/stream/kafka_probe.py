@@ -110,7 +110,8 @@ class KafkaProbe:
         args = {
             **self._args,
             "request_timeout_ms": int(self._timeout_s * 1000),
-            "client_id": "crs-consumer-probe",
+            # The replica's client.id (KAFKA_CLIENT_ID) marked as its probe.
+            "client_id": f"{self._args.get('client_id', 'crs-consumer')}-probe",
         }
         return AIOKafkaClient(**args)
 

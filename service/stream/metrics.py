@@ -255,6 +255,15 @@ class StreamMetrics:
             ["kind"],
             registry=r,
         )
+        # Set by the runtime's invariant monitor (watch mode only: without the watch
+        # cache there is nothing to monitor, and a 0 would claim a clean cluster).
+        self.invariant_violations = Gauge(
+            "crs_allocation_invariant_violations",
+            "Objects currently violating an allocation invariant, by kind (VM UUIDs for "
+            "vm_in_multiple_slots, Reservations for the others; watch mode only)",
+            ["kind"],
+            registry=r,
+        )
         for reason in RETRY_REASONS:
             self.retries.labels(reason)
         for code in DEAD_LETTER_CODES:

@@ -174,3 +174,27 @@ def test_no_kubeconfig_outside_a_pod_is_a_configuration_error(devstack: DevStack
     assert one_line(proc) == (
         "kubernetes: FAILED: KUBECONFIG is unset and this is not a pod: set KUBECONFIG"
     )
+
+
+def test_every_dependency_is_reported_in_one_run(devstack: DevStack, tmp_path: Path) -> None:
+    # Kafka unreachable and Kubernetes refusing the identity: both causes, one run.
+    proc = check(
+        devstack,
+        KAFKA_BOOTSTRAP_SERVERS="127.0.0.1:1",
+        KUBECONFIG=token_kubeconfig(devstack, tmp_path, "not-a-token"),
+    )
+    assert proc.returncode == 1
+    kafka, kubernetes = proc.stderr.strip().splitlines()
+    assert kafka == (
+        "kafka: FAILED to reach 127.0.0.1:1: connection refused: nothing listens there "
+        "(check KAFKA_BOOTSTRAP_SERVERS)"
+    )
+    assert kubernetes.startswith("kubernetes: FAILED: authentication failed")
+    # A configuration error of one (its file) and a failure of the other: both, exit 2.
+    proc = check(devstack, KAFKA_BOOTSTRAP_SERVERS="127.0.0.1:1", KUBECONFIG=str(tmp_path))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"kubernetes: KUBECONFIG={tmp_path}: not a regular file",
+        "kafka: FAILED to reach 127.0.0.1:1: connection refused: nothing listens there "
+        "(check KAFKA_BOOTSTRAP_SERVERS)",
+    ]

@@ -183,9 +183,12 @@ def test_secrets_come_from_existing_secrets_as_files(helm_built: None, name: str
     assert not set(data) & secrets, "a secret value in the ConfigMap"
     spec = pod_spec(docs)
     (container,) = spec["containers"]
-    # Settings come from the ConfigMap, secrets from files; the only env entry is
+    # Settings come from the ConfigMap, secrets from files; the env holds only the pod's
+    # own name (for the default Kafka client.id, from the downward API) and
     # prometheus-client's own switch (test_created_series_are_switched_off_in_the_pods).
-    assert [e["name"] for e in container["env"]] == ["PROMETHEUS_DISABLE_CREATED_SERIES"]
+    env = {e["name"]: e for e in container["env"]}
+    assert set(env) == {"CRS_POD_NAME", "PROMETHEUS_DISABLE_CREATED_SERIES"}
+    assert env["CRS_POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert container["args"] == ["run"]
     files = {k: v for k, v in data.items() if k.endswith(("_FILE", "FILE"))}
     expected = {
@@ -304,8 +307,8 @@ def test_tls_without_a_ca_is_refused_unless_system_cas_are_chosen(helm_built: No
 
 def test_created_series_are_switched_off_in_the_pods(helm_built: None) -> None:
     (container,) = pod_spec(render())["containers"]
-    env = {e["name"]: e["value"] for e in container["env"]}
-    assert env == {"PROMETHEUS_DISABLE_CREATED_SERIES": "True"}
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    assert env == {"PROMETHEUS_DISABLE_CREATED_SERIES": "True"}  # CRS_POD_NAME: valueFrom
 
     # The service's registry exposed with that environment (prometheus-client reads the
     # variable when it is imported, hence a fresh interpreter).

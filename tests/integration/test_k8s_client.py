@@ -128,9 +128,12 @@ async def test_undecodable_list_item_is_skipped_not_fatal(kube: tuple[KubeClient
             "items": [good, bad],
         }
     ).encode()
-    page = kc._decode_list(body, CommittedResource, COMMITTED_RESOURCES)
+    skipped: list[tuple[str, str]] = []
+    page = kc._decode_list(body, CommittedResource, COMMITTED_RESOURCES, skipped)
     assert [c.metadata.name for c in page.items or ()] == ["good"]
     assert page.metadata.resourceVersion == "7"
+    # Named with where it failed (the invariant monitor counts such Reservations).
+    assert skipped == [("bad", "$.spec.amount")]
 
 
 async def test_watch_streams_typed_events_and_closes_on_exit(
@@ -197,7 +200,9 @@ async def test_undecodable_watch_object_counts_as_absent(kube: tuple[KubeClient,
     bad["metadata"]["resourceVersion"] = "42"
     line = json.dumps({"type": "MODIFIED", "object": bad}).encode()
     stream = kc.watch(COMMITTED_RESOURCES, CommittedResource)
-    assert stream._decode(line) == WatchEvent("MODIFIED", "bad", "42", None)
+    assert stream._decode(line) == WatchEvent("MODIFIED", "bad", "42", None, "$.spec.amount")
+    deleted = json.dumps({"type": "DELETED", "object": bad}).encode()
+    assert stream._decode(deleted) == WatchEvent("DELETED", "bad", "42", None)
     with pytest.raises(UnavailableError, match="undecodable line"):
         stream._decode(line[:20])
 

@@ -440,7 +440,18 @@ async def test_the_group_acl_revoked_under_a_running_replica_and_restored_is_rec
             assert time.monotonic() < deadline, s.log.read_text()[-3000:]
             assert s.service.poll() is None, s.log.read_text()[-3000:]
             await asyncio.sleep(0.2)
-        await asyncio.sleep(8)
+
+        def denied_restarts() -> int:
+            retried = e2e.log_events(s.log, "startup_retrying")
+            return sum("KafkaAccessDenied" in e["error"] for e in retried)
+
+        # Two restarts refused for the missing ACL, each waited out: the process had two
+        # chances to take the refusal for a configuration error and exit.
+        deadline = time.monotonic() + 60
+        while denied_restarts() < 2:
+            assert time.monotonic() < deadline, s.log.read_text()[-3000:]
+            assert s.service.poll() is None, s.log.read_text()[-3000:]
+            await asyncio.sleep(0.2)
         assert s.service.poll() is None, s.log.read_text()[-3000:]
         # The metrics outlive the restarts: what they say must follow /readyz, or
         # CrsNotReady stays silent while the replica waits for the ACL (found by review:
@@ -554,7 +565,16 @@ async def test_a_take_over_refused_past_the_session_timeout_holds_neither_group_
             out = await read_as_admin(secure_kafka, topics["output"], 5)
             assert out_vms(out) == vms(published[:5]), logs[0].read_text()[-3000:]
             await until_ready_is(ports[0], 503, "cannot take partition over", replicas[0], logs[0])
-            await asyncio.sleep(2 * session_s)
+            # Two session timeouts of refused take-overs (at least five): time in which a
+            # member that stopped heartbeating would have been dropped.
+            ends = time.monotonic() + 2 * session_s
+            while (
+                time.monotonic() < ends
+                or len(e2e.log_events(logs[0], "partition_acquire_failed")) < 5
+            ):
+                assert time.monotonic() < ends + 60, logs[0].read_text()[-3000:]
+                assert replicas[0].poll() is None, logs[0].read_text()[-3000:]
+                await asyncio.sleep(0.2)
             assert await secure_kafka.group_state(cfg.group_id) == ("Stable", 1)
             assert len(e2e.log_events(logs[0], "partitions_assigned")) == 1, logs[0].read_text()[
                 -3000:
@@ -577,11 +597,20 @@ async def test_a_take_over_refused_past_the_session_timeout_holds_neither_group_
             await until_logged(0, "partitions_revoking")
             await until_logged(1, "partitions_assigned")
             await until_logged(0, "partitions_assigned", 2)
+            refused = [len(e2e.log_events(log, "partition_acquire_failed")) for log in logs]
             for p in (0, 1):
                 batch = events(3)
                 await publish_as_admin(secure_kafka, topics["input"], batch, partition=p)
                 published += batch
-            await asyncio.sleep(2)  # partition 1's new take-over refused too, retrying
+            # Partition 1's new owner tried to take it over, and was refused, retrying.
+            deadline = time.monotonic() + 30
+            while not any(
+                e["partition"] == 1
+                for log, seen in zip(logs, refused, strict=True)
+                for e in e2e.log_events(log, "partition_acquire_failed")[seen:]
+            ):
+                assert time.monotonic() < deadline, [log.read_text()[-2000:] for log in logs]
+                await asyncio.sleep(0.2)
             assert not [
                 e
                 for log in logs

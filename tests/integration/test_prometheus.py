@@ -30,7 +30,7 @@ from tests import e2e
 from tests.conftest import DevStack
 from tests.prometheus import MONITORING, prometheus_bin_dir
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.promtool]
 
 JOB = "crs-consumer"
 

@@ -33,8 +33,9 @@ from service.model import Reservation
 from service.quantity import parse_quantity
 from tests import factories as f
 from tests import nova
-from tests.conftest import UPSTREAM_CRDS, DevStack
+from tests.conftest import DevStack
 from tests.integration.test_crd_compat import PREFIX, install, renamed
+from tests.upstream import UPSTREAM_CRDS
 
 HOST = "host-a"
 OTHER = "host-b"
@@ -405,7 +406,7 @@ async def test_no_host_found_payg_not_counted(env: Env) -> None:
 
 @pytest_asyncio.fixture
 async def upstream_reservations(env: Env) -> AsyncIterator[Env]:
-    path = next(Path(UPSTREAM_CRDS).glob("cortex.cloud_reservations.yaml"))
+    path = UPSTREAM_CRDS.path() / "cortex.cloud_reservations.yaml"
     await install(env.api, renamed(yaml.safe_load(path.read_text())))
     yield env
     await client.CustomObjectsApi(env.api).delete_collection_cluster_custom_object(

@@ -238,11 +238,13 @@ async def test_api_server_outage_mid_stream_loses_nothing(
                 break
             await asyncio.sleep(0.1)
         await e2e.publish(devstack.kafka_bootstrap, topics["input"], during)
-        await asyncio.sleep(4)  # the service keeps retrying; the placements cannot be written
+
+        async def retried() -> bool:  # the placements were tried, and could not be written
+            return bool(runtime.metrics.retries.labels("k8s_unavailable")._value.get() >= 2)
+
+        await wait_for(retried, 60, "the service to retry the events during the outage")
         assert runtime.stream is not None
         assert runtime.stream.processed < len(before) + len(during)
-        retries = runtime.metrics.retries.labels("k8s_unavailable")._value.get()
-        assert retries > 0
     finally:
         up = await asyncio.create_subprocess_exec(
             str(REPO / "devstack" / "up"), stderr=asyncio.subprocess.PIPE

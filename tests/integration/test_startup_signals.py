@@ -41,6 +41,7 @@ async def test_sigterm_during_a_start_up_stuck_on_kafka_ends_it_at_once(
         CRS_HTTP_PORT=str(http_port),
     )
     log = tmp_path / "service.log"
+    held: list[socket.socket] = []
     try:
         with e2e.spawned(cfg, str(log)) as proc:
             # The probes answer once the signal handlers are in place and before Kafka is
@@ -50,13 +51,20 @@ async def test_sigterm_during_a_start_up_stuck_on_kafka_ends_it_at_once(
                 assert proc.poll() is None, log.read_text()[-2000:]
                 assert time.monotonic() < deadline, log.read_text()[-2000:]
                 await asyncio.sleep(0.1)
-            await asyncio.sleep(1)  # well into the start-up, waiting on the silent broker
+            # Well into the start-up: its connection to the silent broker is waiting to be
+            # accepted (and, accepted, is never answered).
+            silent.setblocking(False)
+            loop = asyncio.get_running_loop()
+            asking, _ = await asyncio.wait_for(loop.sock_accept(silent), 30)
+            held.append(asking)
             assert proc.poll() is None, log.read_text()[-2000:]
             sent = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             code = await asyncio.to_thread(proc.wait, 30)
             took = time.monotonic() - sent
     finally:
+        for conn in held:
+            conn.close()
         silent.close()
     text = log.read_text()
     assert code == 0, text[-2000:]

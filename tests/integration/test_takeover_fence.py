@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ import pytest
 
 from tests import e2e
 from tests import factories as f
-from tests.conftest import DevStack
+from tests.conftest import REPO, DevStack
 from tests.hold_proxy import HoldProxy
 from tests.integration.test_engine_faults import Replicas, replicas, topics_for, wait_group
 
@@ -31,6 +33,23 @@ async def seed_two_slots(api: Any) -> None:
     await f.create(api, f.committed_resource("cr-p1", project="p1", amount="256Gi", used="0"))
     await f.create(api, f.reservation("slot-a", host="hv-1", project="p1", memory="16Gi"))
     await f.create(api, f.reservation("slot-b", host="hv-1", project="p1", memory="0"))
+
+
+SENTINEL = {"creationTimestamp": "2026-01-01T00:00:00Z", "resources": {"memory": "1Gi"}}
+
+
+def audit_without_grace(kubeconfig: str) -> subprocess.CompletedProcess[str]:
+    """``crs-consumer audit`` with no grace for a VM in two slots."""
+    env = {**os.environ, "KUBECONFIG": kubeconfig, "CRS_INVARIANT_GRACE_S": "0"}
+    return subprocess.run(
+        [sys.executable, "-m", "service", "audit", "--json"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 async def owner_of_the_partition(ports: dict[str, int], r: Replicas) -> str:
@@ -62,8 +81,9 @@ async def test_a_write_held_in_flight_across_a_takeover_cannot_land_a_second_all
 
     Without the take-over fence (checked once by reverting Recorder._claim_slot's replay
     branch to a plain re-read): the held PATCH answers 200 and the VM is in slot-a and
-    slot-b. With it: b fenced both candidates before deciding, the held PATCH answers 409,
-    and the VM is in slot-b only.
+    slot-b. With it: the survivor fenced both candidates before deciding, the held PATCH
+    answers 409, the VM is in slot-b only, and neither the audit nor the survivor's
+    invariant monitor finds a VM in two slots.
     """
     await seed_two_slots(clean_k8s)
     topics = topics_for(monkeypatch, await e2e.new_topics(new_topic, 1))
@@ -84,6 +104,7 @@ async def test_a_write_held_in_flight_across_a_takeover_cannot_land_a_second_all
                 KUBECONFIG=str(proxy.kubeconfig(tmp_path / f"{name}.kubeconfig")),
                 CRS_K8S_TIMEOUT_S="600",
                 CRS_HTTP_PORT=str(ports[name]),
+                CRS_INVARIANT_GRACE_S="0",  # a VM in two slots shows at once
             )
         for name in proxies:
             await replicas.synced(name)
@@ -108,15 +129,34 @@ async def test_a_write_held_in_flight_across_a_takeover_cannot_land_a_second_all
         (out,) = await e2e.read_all(boot, topics["output"], 1, timeout_s=90)
         decided = e2e.data_of(out)
         answer = await proxies[owner].release()
+        slots = {n: await f.get(clean_k8s, "reservations", n) for n in ("slot-a", "slot-b")}
+        holding = [
+            n
+            for n, obj in slots.items()
+            if vm in (obj["spec"]["committedResourceReservation"].get("allocations") or {})
+        ]
+        assert (decided["allocation"], decided["reservation"]) == ("written", "slot-b"), decided
+        assert holding == ["slot-b"], f"the VM is in {holding}; the held PATCH answered {answer!r}"
+        assert " 409 " in answer, answer
+        # The invariant monitor agrees, in both its forms. The one-shot audit reads the API:
+        clean = await asyncio.to_thread(audit_without_grace, devstack.kubeconfig)
+        assert clean.returncode == 0, (clean.stdout, clean.stderr)
+        # The survivor's gauge, once it has had its chance: a VM planted in both slots after
+        # the release shows, and it is the only one (its watches go through its proxy,
+        # hence inside this block).
+        sentinel = {
+            "spec": {"committedResourceReservation": {"allocations": {"vm-sentinel": SENTINEL}}}
+        }
+        for name in ("slot-a", "slot-b"):
+            await f.merge_patch(clean_k8s, "reservations", name, sentinel)
+        duplicated = ("crs_allocation_invariant_violations", (("kind", "vm_in_multiple_slots"),))
+        deadline = time.monotonic() + 30
+        while (seen := (await e2e.metrics_at(ports[other])).get(duplicated, 0.0)) < 1:
+            assert time.monotonic() < deadline, (
+                f"the monitor never saw the sentinel\n{replicas.logs()}"
+            )
+            await asyncio.sleep(0.2)
+        assert seen == 1, f"{seen} VMs in more than one slot"
 
-    slots = {n: await f.get(clean_k8s, "reservations", n) for n in ("slot-a", "slot-b")}
-    holding = [
-        n
-        for n, obj in slots.items()
-        if vm in (obj["spec"]["committedResourceReservation"].get("allocations") or {})
-    ]
-    assert (decided["allocation"], decided["reservation"]) == ("written", "slot-b"), decided
-    assert holding == ["slot-b"], f"the VM is in {holding}; the held PATCH answered {answer!r}"
-    assert " 409 " in answer, answer
     survivor_log = (replicas.log_dir / f"{other}.log").read_text(errors="replace")
     assert "never retrieved" not in survivor_log

@@ -651,7 +651,7 @@ async def test_expired_resource_version_relists_and_repairs_missed_events(
     async with Frozen(faults, inf) as frozen:
         await cluster.create(f.reservation(n("new"), host=host, project=proj))
         await cluster.delete("reservations", n("gone"))
-        await asyncio.sleep(0.3)
+        await _a_later_change_arrives(cluster, cache, host, proj, n("cr-later"))
         assert await _names(cache, host, proj) == [n("gone")]  # truly missed so far
         frozen.thaw(resource_version="1")
         await condition(lambda: inf.expired >= 1, "the 410")
@@ -667,6 +667,20 @@ async def test_expired_resource_version_relists_and_repairs_missed_events(
 
 async def _names(cache: WatchClusterState, host: str, proj: str) -> list[str]:
     return slot_names(await cache.snapshot([host], proj), host, proj)
+
+
+async def _a_later_change_arrives(
+    cluster: Cluster, cache: WatchClusterState, host: str, proj: str, name: str
+) -> None:
+    """A CommittedResource created now reaches the cache through its own, live watch:
+    the events made before it had their chance to arrive too, had their watch been up."""
+    await cluster.create(f.committed_resource(name, project=proj))
+
+    async def crs() -> list[str]:
+        snap = await cache.snapshot([host], proj)
+        return sorted(c.metadata.name or "" for c in snap.committed_resources)
+
+    await until(crs, [name])
 
 
 async def test_dropped_connection_resumes_from_resource_version_without_relisting(
@@ -690,7 +704,7 @@ async def test_dropped_connection_resumes_from_resource_version_without_relistin
     async with Frozen(faults, inf):
         await cluster.create(f.reservation(n("c"), host=host, project=proj))
         await cluster.delete("reservations", n("a"))
-        await asyncio.sleep(0.3)
+        await _a_later_change_arrives(cluster, cache, host, proj, n("cr-later"))
         assert await _names(cache, host, proj) == [n("a"), n("b")]
     await until(lambda: _names(cache, host, proj), [n("b"), n("c")])
 

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
-import yaml
 
 from service.model import (
     CommittedResource,
@@ -24,48 +22,89 @@ from service.model import (
     to_k8s,
 )
 from service.quantity import Quantity
-
-EXAMPLE = Path("/work/shared/reference/examples/nova-decisions.yaml")
+from tests.upstream import nova_decision, upstream_nova_decision
 
 
 @pytest.fixture(scope="module")
 def example() -> dict[str, Any]:
-    data: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
-    return data
+    return nova_decision()
 
 
-def test_real_nova_request_decodes(example: dict[str, Any]) -> None:
+def test_nova_request_decodes(example: dict[str, Any]) -> None:
     req = from_k8s(example["spec"]["novaRaw"], ExternalSchedulerRequest)
-    assert req.project_id == "abcdef1234567890abcdef1234567890"
+    assert req.project_id == "7d4c2b1a0f9e48d6b5a3c2e1f0d9c8b7"
     assert req.context_project_id == ""  # the example strips the context: {}
-    assert req.instance_uuid == "abc12345-6789-0123-4567-89abcdef0123"
-    assert req.flavor_name == "hana"
-    assert req.input_hosts == ["nova-compute-bb83", "nova-compute-bb84", "nova-compute-bb97"]
-    assert req.hosts[0].hypervisor_hostname == "hv83"
-    assert req.weights["nova-compute-bb97"] == -147.0
+    assert req.instance_uuid == "5c3e8a1d-7b2f-4e90-a6d4-0f9b1c2e3d47"
+    assert req.flavor_name == "hana_c4_m7936"
+    assert req.input_hosts == ["compute-az1b-017", "compute-az1b-042", "compute-az1b-108"]
+    assert req.hosts[0].hypervisor_hostname == "node017"
+    assert req.weights["compute-az1b-108"] == -60.0  # an integer in the JSON
     assert req.pipeline == "nova-external-scheduler"
     assert not hasattr(req, "vmware")  # not read, nor by the reference
     assert req.options.skip_committed_resource_tracking is False
     flavor = req.spec.data.flavor
     assert flavor is not None
-    assert (flavor.data.memory_mb, flavor.data.vcpus) == (2032, 2)
+    assert (flavor.data.memory_mb, flavor.data.vcpus) == (7936, 4)
     assert flavor.data.extra_specs is not None
-    assert flavor.data.extra_specs["vmware:hw_version"] == "vmx-18"
-    assert req.spec.data.scheduler_hints == {"domain_name": ["example-domain"]}
-    assert req.spec.data.availability_zone == "qa-de-1a"
+    assert flavor.data.extra_specs["vmware:hw_version"] == "vmx-19"
+    assert req.spec.data.scheduler_hints == {"domain_name": ["test-domain"]}
+    assert req.spec.data.availability_zone == "test-az-1b"
 
 
-def test_real_nova_request_decodes_from_bytes_identically(example: dict[str, Any]) -> None:
+def test_nova_request_decodes_from_bytes_identically(example: dict[str, Any]) -> None:
     raw = json.dumps(example["spec"]["novaRaw"]).encode()
     assert from_k8s(raw, ExternalSchedulerRequest) == from_k8s(
         example["spec"]["novaRaw"], ExternalSchedulerRequest
     )
 
 
-def test_real_decision_result_decodes(example: dict[str, Any]) -> None:
+def test_decision_result_decodes(example: dict[str, Any]) -> None:
     result = from_k8s(example["status"]["result"], DecisionResult)
-    assert result.target_host == "nova-compute-bb83"
-    assert result.ordered_hosts == ["nova-compute-bb83", "nova-compute-bb84", "nova-compute-bb97"]
+    assert result.target_host == "compute-az1b-017"
+    assert result.ordered_hosts == ["compute-az1b-017", "compute-az1b-042", "compute-az1b-108"]
+
+
+# --- against upstream Cortex's example (CRS_UPSTREAM_EXAMPLES) ---------------------------
+
+
+def test_upstream_nova_example_decodes() -> None:
+    doc = upstream_nova_decision()
+    raw, result = doc["spec"]["novaRaw"], doc["status"]["result"]
+    data = raw["spec"]["nova_object.data"]
+    req = from_k8s(raw, ExternalSchedulerRequest)
+    assert req.project_id == data["project_id"]  # the sample strips the context
+    assert req.instance_uuid == data["instance_uuid"]
+    assert req.flavor_name == data["flavor"]["nova_object.data"]["name"]
+    assert req.input_hosts == [h["host"] for h in raw["hosts"]]
+    assert req.weights == {host: float(w) for host, w in raw["weights"].items()}
+    assert from_k8s(json.dumps(raw).encode(), ExternalSchedulerRequest) == req
+    decision = from_k8s(result, DecisionResult)
+    assert decision.target_host == result["targetHost"]
+    assert decision.ordered_hosts == result["orderedHosts"]
+
+
+def _paths(value: Any, prefix: str = "") -> set[str]:
+    """Every key path of a document; a list's items share one path (``[]``)."""
+    if isinstance(value, dict):
+        out = set()
+        for key, item in value.items():
+            path = f"{prefix}.{key}"
+            out |= {path} | _paths(item, path)
+        return out
+    if isinstance(value, list):
+        return set().union(*(_paths(item, prefix + "[]") for item in value))
+    return set()
+
+
+def test_project_example_has_every_field_of_the_upstream_one() -> None:
+    """The project's fixture is modelled on upstream's: nothing upstream sends is missing."""
+    # Upstream's step names and the hosts' names are keys of maps, not fields.
+    maps = ("Weights.", "weights.", "activations.")
+
+    def fields(doc: dict[str, Any]) -> set[str]:
+        return {p for p in _paths(doc) if not any(m in p for m in maps)}
+
+    assert fields(upstream_nova_decision()) - fields(nova_decision()) == set()
 
 
 def test_decision_wire_names_are_camel_case() -> None:

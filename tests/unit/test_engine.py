@@ -205,6 +205,33 @@ async def test_different_keys_run_concurrently_and_one_key_in_order(broker: Fake
     assert broker.committed[("g", TP0)].offset == 5
 
 
+async def test_a_new_group_starts_at_the_end_with_latest_and_at_zero_with_earliest(
+    broker: FakeBroker,
+) -> None:
+    for v in (b"a0", b"b0"):
+        broker.append(IN, 0, v[:1], v)
+    h = Harness(broker, group_id="new", auto_offset_reset="latest")
+    await h.start(TP0)
+    await h.part()
+    broker.append(IN, 0, b"c", b"c0")  # published after the take-over
+    await until(lambda: outputs(broker) == [b"c0"])
+    await h.stop()
+    assert h.processor.calls == [(0, 2)]  # the two before were skipped
+    assert broker.committed[("new", TP0)].offset == 3
+    # The same group again: it has committed, so "latest" no longer matters.
+    again = Harness(broker, group_id="new", auto_offset_reset="latest")
+    broker.append(IN, 0, b"d", b"d0")
+    await again.start(TP0)
+    await until(lambda: outputs(broker) == [b"c0", b"d0"])
+    await again.stop()
+    # Another new group with the default replays all of it.
+    replay = Harness(broker, group_id="other")
+    await replay.start(TP0)
+    await until(lambda: len(outputs(broker)) == 6)
+    await replay.stop()
+    assert replay.processor.calls == [(0, 0), (0, 1), (0, 2), (0, 3)]
+
+
 async def test_a_stuck_record_holds_neither_other_keys_nor_other_partitions(
     broker: FakeBroker,
 ) -> None:

@@ -657,3 +657,47 @@ async def test_after_a_silent_stream_a_live_server_proves_itself_within_seconds(
     await until(lambda: inf.connected, "the third watch up")
     assert inf.down_for() == 0.0
     assert inf.silent_for() <= 2.0 + sum(run.slept) + 1e-6
+
+
+# --- objects that do not decode --------------------------------------------------------------
+
+
+async def test_undecodable_objects_are_reported_and_their_end_too() -> None:
+    """A LIST's and a watch's undecodable objects reach on_undecodable with the failing
+    path; a later decodable version, a DELETED event or a relist without the object end
+    it (the invariant monitor counts them as allocation_malformed)."""
+    path = "$.spec.committedResourceReservation.allocations[...].resources[...]"
+    release = asyncio.Event()
+    server = Scripted(
+        lists=[
+            ListResult([thing("a", 5)], "10", (("bad", path), ("worse", path))),
+            ListResult([thing("a", 5)], "30"),
+        ],
+        watches=[
+            [
+                WatchEvent("MODIFIED", "a", "11", None, path),  # a turns undecodable
+                WatchEvent("MODIFIED", "bad", "12", thing("bad", 12)),  # decodes again
+                release,
+                ResourceExpiredError("gone", status=410),  # relist: worse is gone
+            ]
+        ],
+    )
+    reports: list[tuple[str, str | None]] = []
+    changes: list[tuple[Thing | None, Thing | None]] = []
+    informer: Informer[Thing] = Informer(
+        server,
+        KIND,
+        Thing,
+        on_change=lambda old, new: changes.append((old, new)),
+        on_undecodable=lambda name, where: reports.append((name, where)),
+    )
+    informer.start()
+    try:
+        await until(lambda: len(reports) >= 4, "the watch's reports")
+        assert reports == [("bad", path), ("worse", path), ("a", path), ("bad", None)]
+        assert informer.get("a") is None  # counts as absent meanwhile
+        release.set()
+        await until(lambda: server.list_calls == 2 and len(reports) >= 6, "the relist")
+        assert sorted(reports[4:], key=str) == [("a", None), ("worse", None)]
+    finally:
+        await informer.stop()

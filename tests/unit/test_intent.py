@@ -8,6 +8,7 @@ import pytest
 
 from service.crs import derive_intent, intent_from_hints
 from service.model import ExternalSchedulerRequest, from_k8s
+from tests.upstream import nova_decision, upstream_nova_decision
 
 _MISSING: Any = object()
 
@@ -82,12 +83,14 @@ def test_derive_intent(hints: Any, expected: str) -> None:
         assert intent_from_hints(hints) == expected
 
 
-def test_real_example_has_no_check_type() -> None:
-    import yaml
+def test_example_without_check_type_is_unknown() -> None:
+    req = from_k8s(nova_decision()["spec"]["novaRaw"], ExternalSchedulerRequest)
+    assert req.spec.data.scheduler_hints == {"domain_name": ["test-domain"]}
+    assert derive_intent(req) == "Unknown"
 
-    with open("/work/shared/reference/examples/nova-decisions.yaml") as f:
-        doc = yaml.safe_load(f)
-    req = from_k8s(doc["spec"]["novaRaw"], ExternalSchedulerRequest)
+
+def test_upstream_example_has_no_check_type() -> None:
+    req = from_k8s(upstream_nova_decision()["spec"]["novaRaw"], ExternalSchedulerRequest)
     assert derive_intent(req) == "Unknown"
 
 

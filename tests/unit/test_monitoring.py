@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from tests.prometheus import MONITORING, REPO, promtool
@@ -33,12 +34,14 @@ def _alerts() -> list[dict[str, Any]]:
     return [r for r in _rules() if "alert" in r]
 
 
+@pytest.mark.promtool
 def test_promtool_checks_the_rules_file() -> None:
     proc = promtool("check", "rules", str(RULES))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"SUCCESS: {len(_rules())} rules found" in proc.stdout
 
 
+@pytest.mark.promtool
 def test_promtool_checks_the_prometheusrule_groups(tmp_path: Path) -> None:
     doc = yaml.safe_load((MONITORING / "prometheusrule.yaml").read_text())
     assert doc["kind"] == "PrometheusRule"
@@ -59,6 +62,7 @@ def test_prometheusrule_is_rendered_from_the_rules_file() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.promtool
 def test_promtool_unit_tests_pass() -> None:
     proc = promtool("test", "rules", "tests.yaml")
     assert proc.returncode == 0, proc.stdout + proc.stderr

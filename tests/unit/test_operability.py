@@ -7,6 +7,8 @@ import asyncio
 import io
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -917,3 +919,58 @@ def test_ctrl_c_under_a_dlq_command_is_said_not_a_traceback(presses: int) -> Non
     else:
         assert done.returncode == 1, done.stderr
         assert "FAILED: may or may not have been sent" in done.stderr
+
+
+async def test_a_dlq_read_whose_consumer_fails_to_start_closes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The consumer was started outside its try: a broker that could not be reached left
+    # it to the garbage collector ("Unclosed AIOKafkaConsumer" after the FAILED line).
+    import aiokafka
+
+    from service.app import dlq
+
+    calls: list[str] = []
+
+    class Unreachable:
+        def __init__(self, **kw: object) -> None:
+            pass
+
+        async def start(self) -> None:
+            calls.append("start")
+            raise aiokafka.errors.KafkaConnectionError("unreachable")
+
+        async def stop(self) -> None:
+            calls.append("stop")
+
+    monkeypatch.setattr(aiokafka, "AIOKafkaConsumer", Unreachable)
+    with pytest.raises(aiokafka.errors.KafkaConnectionError):
+        await dlq.list_dlq(Config.load(env={}), flt=DlqFilter(), max_records=10, as_json=False)
+    assert calls == ["start", "stop"]
+
+
+def test_a_dlq_failure_is_said_once_in_plain_words() -> None:
+    # Nothing listens on port 1: the same diagnosis as `check`, one line, no class names,
+    # and nothing else on stderr (no aiokafka log line, no unclosed-client warning).
+    proc = subprocess.run(
+        [sys.executable, "-m", "service", "dlq", "list"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"},
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        "crs-consumer dlq list: FAILED: connection refused: nothing listens there "
+        "(check KAFKA_BOOTSTRAP_SERVERS)"
+    ]
+
+
+def test_a_dlq_failure_other_than_kafka_is_its_message() -> None:
+    from service.app import dlq
+
+    config = Config.load(env={})
+    lookup = LookupError("dead-letter topic x has no partition 9 (it has 0-2)")
+    assert dlq.failure(lookup, [], config) == "dead-letter topic x has no partition 9 (it has 0-2)"

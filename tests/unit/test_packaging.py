@@ -1003,3 +1003,14 @@ def test_shipped_yaml_gives_no_key_twice() -> None:
     for path in files:
         with path.open(encoding="utf-8") as fh:
             list(yaml.load_all(fh, Loader=_UniqueKeyLoader))  # a SafeLoader
+
+
+def test_the_license_file_is_the_apache_license_pyproject_declares() -> None:
+    import hashlib
+    import tomllib
+
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["license"]
+    assert declared == "Apache-2.0"
+    text = (REPO / "LICENSE").read_bytes()
+    # The text as the ASF publishes it (https://www.apache.org/licenses/LICENSE-2.0.txt).
+    assert hashlib.md5(text).hexdigest() == "3b83ef96387f14655fc854ddc3c6bd57"

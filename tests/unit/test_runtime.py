@@ -78,8 +78,21 @@ async def test_every_close_raising_still_closes_all() -> None:
     assert task.cancelled()
 
 
-async def test_stop_before_start_closes_nothing() -> None:
-    await Runtime(Config.load(env={})).stop()
+async def test_stop_before_start_closes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    closed: list[str] = []
+
+    async def close(part: str, _: Any) -> None:
+        closed.append(part)
+
+    monkeypatch.setattr(runtime_module, "_close", close)
+    runtime = Runtime(Config.load(env={}))
+    tasks_before = asyncio.all_tasks()
+    await runtime.stop()
+    assert closed == []
+    # Nor did it open anything on the way (a part, a task).
+    assert asyncio.all_tasks() == tasks_before
+    parts = (runtime.stream, runtime.http, runtime.client, runtime.state, runtime.kafka_probe)
+    assert parts == (None,) * 5
 
 
 async def test_heap_keeper_freezes_the_heap_once_the_cache_has_synced() -> None:

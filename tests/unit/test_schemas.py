@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,12 +21,10 @@ from service.stream.codec import (
     encode_input,
     encode_output,
 )
+from tests.upstream import nova_decision
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMAS = REPO / "schemas"
-EXAMPLES = Path(
-    os.environ.get("CRS_REFERENCE_EXAMPLES", REPO.parent / "shared" / "reference" / "examples")
-)
 Validator = jsonschema.Draft202012Validator
 
 
@@ -44,7 +41,7 @@ def asyncapi() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def example_pair() -> tuple[dict[str, Any], dict[str, Any]]:
-    doc = yaml.safe_load((EXAMPLES / "nova-decisions.yaml").read_text())
+    doc = nova_decision()
     result = doc["status"]["result"]
     decision = {
         "name": doc["metadata"]["name"],

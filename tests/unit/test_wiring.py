@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import socket
 import time
 import typing
 from typing import Any
 
-from service.app.config import SETTINGS, Config
+import pytest
+from aiokafka import AIOKafkaConsumer
+
+from service.app.config import SETTINGS, Config, ConfigError
 from service.app.runtime import Runtime, recorder_options, watch_options
 from service.crs import Recorder
 from service.k8s.cache import WatchClusterState
-from service.stream.engine import StreamSettings
+from service.stream.engine import StreamService, StreamSettings
+from service.stream.kafka_probe import KafkaProbe
+from service.stream.metrics import StreamMetrics
 
 # Non-default values of the knobs, each distinct so a swapped wire shows.
 TUNED = {
@@ -29,6 +35,7 @@ TUNED = {
     "CRS_WATCH_STALE_AFTER_S": "45",
     "CRS_WATCH_BACKOFF_S": "0.25",
     "CRS_WATCH_BACKOFF_MAX_S": "12",
+    "CRS_INVARIANT_GRACE_S": "60",
     "CRS_SHUTDOWN_TIMEOUT_S": "21",
 }
 
@@ -132,6 +139,7 @@ def test_watch_options_carry_the_watch_knobs() -> None:
         "stale_after_s": 45.0,
         "backoff_base_s": 0.25,
         "backoff_max_s": 12.0,
+        "invariant_grace_s": 60.0,
     }
     inspect.signature(WatchClusterState).bind(None, **opts)
 
@@ -203,3 +211,67 @@ def test_liveness_fails_after_the_configured_bound() -> None:
     fake = default
     fake.stream = _Loop(idle_s=10)  # well inside the default 180 s
     assert default._alive() == (True, "ok")
+
+
+# --- Kafka identity and replay control reach the clients ----------------------------------
+
+
+class _Built(Exception):
+    """Raised by a factory once it has seen its arguments: nothing is started."""
+
+
+async def _consumer_kwargs(config: Config) -> dict[str, Any]:
+    """The keyword arguments the engine builds its Kafka consumer with."""
+    seen: dict[str, Any] = {}
+
+    def consumer(**kw: Any) -> Any:
+        seen.update(kw)
+        raise _Built
+
+    service = StreamService(
+        StreamSettings.from_config(config),
+        None,  # type: ignore[arg-type]  # never reached
+        StreamMetrics(),
+        consumer_factory=consumer,
+        producer_factory=lambda **kw: None,
+    )
+    with pytest.raises(_Built):
+        await service.start()
+    return seen
+
+
+async def test_client_id_and_offset_reset_reach_the_consumer() -> None:
+    env = {"KAFKA_CLIENT_ID": "crs-eu-1", "CRS_AUTO_OFFSET_RESET": "latest"}
+    kw = await _consumer_kwargs(Config.load(env=env))
+    assert (kw["client_id"], kw["auto_offset_reset"]) == ("crs-eu-1", "latest")
+    # aiokafka takes them as such (a misspelt keyword would raise here).
+    consumer = AIOKafkaConsumer(**kw)
+    assert consumer._client._client_id == "crs-eu-1"
+    await consumer.stop()
+    # The default replays: a new group starts at the earliest retained record.
+    assert (await _consumer_kwargs(Config.load(env={})))["auto_offset_reset"] == "earliest"
+
+
+def test_client_id_defaults_to_the_group_and_the_pod_name() -> None:
+    env = {"CRS_GROUP_ID": "crs", "CRS_POD_NAME": "crs-consumer-5d9c7-x2k4p"}
+    config = Config.load(env=env)
+    assert config.kafka_client_args()["client_id"] == "crs-crs-consumer-5d9c7-x2k4p"
+    unnamed = Config.load(env={"CRS_GROUP_ID": "crs"})
+    assert unnamed.kafka_client_args()["client_id"] == f"crs-{socket.gethostname()}"
+    named = Config.load(env=env | {"KAFKA_CLIENT_ID": "mine"})
+    assert named.kafka_client_args()["client_id"] == "mine"
+
+
+async def test_every_kafka_client_of_the_replica_carries_the_client_id() -> None:
+    # The engine's per-partition producers, the admin clients of check and kafka_access and
+    # the dlq tool's clients all take kafka_client_args; the probe marks its own.
+    config = Config.load(env={"KAFKA_CLIENT_ID": "crs-eu-1"})
+    assert StreamSettings.from_config(config).client_args["client_id"] == "crs-eu-1"
+    client = KafkaProbe(config.kafka_client_args())._new_client()
+    assert client._client_id == "crs-eu-1-probe"
+    await client.close()
+
+
+def test_offset_reset_accepts_only_earliest_or_latest() -> None:
+    with pytest.raises(ConfigError, match="CRS_AUTO_OFFSET_RESET='none': must be one of"):
+        Config.load(env={"CRS_AUTO_OFFSET_RESET": "none"})

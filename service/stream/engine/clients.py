@@ -22,7 +22,7 @@ def consumer_args(s: StreamSettings) -> dict[str, Any]:
         **s.client_args,
         "group_id": s.group_id,
         "enable_auto_commit": False,
-        "auto_offset_reset": "earliest",
+        "auto_offset_reset": s.auto_offset_reset,
         "isolation_level": "read_committed",
         "max_poll_records": s.max_batch,
         **s.consumer_args,

@@ -198,7 +198,10 @@ class Ownership(EngineCore):
             # This InitProducerId fenced the other's producer: keep this one.
             log.warning("partition_acquired_twice", topic=tp.topic, partition=tp.partition)
             await self._drop(old)
-        consumer.seek(tp, start if start is not None else 0)
+        if start is None and self._s.auto_offset_reset == "latest":
+            await consumer.seek_to_end(tp)  # skips what was published before: as configured
+        else:
+            consumer.seek(tp, start if start is not None else 0)
         # At 0 from the take-over on: increase() misses a series that appears at 1, and
         # CrsOffsetReset would then miss a partition's first reset (usually its only one).
         self._metrics.offset_resets.labels(tp.topic, str(tp.partition))

@@ -255,7 +255,7 @@ class StreamService(KeyLanes, Committer, Transactions, Ownership, Release, Lag):
 
         It never delivers a record twice (a seek drops what was buffered, and a fetch
         answer for an old position is discarded), and the engine itself never seeks
-        below that offset: aiokafka reset the fetch (auto_offset_reset="earliest")
+        below that offset: aiokafka reset the fetch (auto_offset_reset, either value)
         because the position lay beyond the partition's end. The log was truncated (an
         unclean leader election) or the topic recreated while the group's offsets
         outlived it: the records from ``offset`` on are this log's, to be processed,

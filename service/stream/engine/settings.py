@@ -12,7 +12,7 @@ transaction opened ahead may stay open) has its default here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from aiokafka.structs import TopicPartition
 
@@ -95,6 +95,10 @@ class StreamSettings:
     # ... and aborts it when nothing was decided this long after (well below the
     # producer's transaction.timeout.ms, 60 s, after which the broker would fence it).
     txn_open_ahead_max_s: float = 5.0
+    # Where a partition the group never committed starts: "earliest" (offset 0: every
+    # retained record) or "latest" (its end when taken over). aiokafka also resets a
+    # position out of range (retention deleted it, the log was truncated) so.
+    auto_offset_reset: Literal["earliest", "latest"] = _SHIPPED.auto_offset_reset
     # The Kafka clients' connection settings (every client) and the consumer's own.
     client_args: dict[str, Any] = field(default_factory=dict)
     consumer_args: dict[str, Any] = field(default_factory=dict)
@@ -130,6 +134,7 @@ class StreamSettings:
             commit_timeout_s=c.commit_timeout_s,
             poll_timeout_ms=c.poll_timeout_ms,
             fetch_linger_ms=c.fetch_linger_ms,
+            auto_offset_reset=c.auto_offset_reset,
             client_args=c.kafka_client_args(),
             consumer_args=c.kafka_consumer_args(),
         )
