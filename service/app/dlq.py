@@ -31,6 +31,7 @@ from datetime import UTC, datetime
 from typing import Any, NamedTuple, TextIO
 
 from service.app.config import Config
+from service.stream import aiokafka_internals
 from service.stream import dlq_headers as H
 
 __all__ = [
@@ -175,7 +176,7 @@ async def read_dlq(
     try:
         await consumer.start()  # inside: a failed start's connections are closed below
         # An assign-only consumer tracks no topics; ask the cluster directly.
-        cluster = await consumer._client.fetch_all_metadata()
+        cluster = await aiokafka_internals.fetch_all_metadata(consumer)
         parts = cluster.partitions_for_topic(config.dlq_topic)
         if not parts:
             # A metadata request for all topics leaves out those the account may not

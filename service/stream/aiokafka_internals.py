@@ -4,12 +4,13 @@ aiokafka's public API lacks a few things the engine needs: the committed offset 
 without taking an error for "none" (:mod:`service.stream.committed`), the end of a
 background task (which public calls hide), a fetch position without waiting, a
 producer's (id, epoch), adding a partition to a transaction ahead of its records,
-closing a client whose ``stop()`` raised, and reading past a record it cannot parse
-(:mod:`service.stream.unreadable`). Each reaches into aiokafka here and nowhere else;
-``tests/unit/test_aiokafka_internals.py`` pins each assumption against the installed
-aiokafka (written against 0.14, pinned in requirements.lock), so an upgrade that moves
-one fails a named test, not production. Functions degrade as each says when a part is
-missing (a fake client in the unit tests has only some).
+closing a client whose ``stop()`` raised, reading past a record it cannot parse
+(:mod:`service.stream.unreadable`), and a few requests and metadata that
+``crs-consumer check`` and ``crs-consumer dlq`` need. Each reaches into aiokafka here
+and nowhere else; ``tests/unit/test_aiokafka_internals.py`` pins each assumption
+against the installed aiokafka (written against 0.14, pinned in requirements.lock), so
+an upgrade that moves one fails a named test, not production. Functions degrade as
+each says when a part is missing (a fake client in the unit tests has only some).
 """
 
 from __future__ import annotations
@@ -25,13 +26,16 @@ __all__ = [
     "GroupCoordinator",
     "PartitionRecordsBase",
     "add_partitions_to_txn",
+    "broker_ids",
     "close_client_after_failed_stop",
     "close_producer_connections",
     "ended_background_task",
+    "fetch_all_metadata",
     "fetch_position",
     "group_coordinator",
     "install_partition_records",
     "producer_identity",
+    "send_admin_request",
     "send_to_coordinator",
 ]
 
@@ -175,6 +179,25 @@ def add_partitions_to_txn(producer: Any, topic: str, keys: list[bytes]) -> None:
         return
     for partition in {choose(topic, None, key, None, key, None) for key in keys}:
         txn.maybe_add_partition_to_txn(TopicPartition(topic, partition))
+
+
+async def send_admin_request(admin: Any, request: Any) -> Any:
+    """Send ``request`` (a protocol request the admin client has no method for:
+    Metadata without auto-creation, DescribeAcls) through an admin client
+    (``AIOKafkaAdminClient._send_request``, to the least loaded broker)."""
+    return await admin._send_request(request)
+
+
+def broker_ids(admin: Any) -> list[int]:
+    """The node ids of the brokers a started admin client knows (its ``_client``'s
+    cluster metadata)."""
+    return [int(b.nodeId) for b in admin._client.cluster.brokers()]
+
+
+async def fetch_all_metadata(consumer: Any) -> Any:
+    """The cluster's metadata for every topic, fetched now by a started consumer's client
+    (``AIOKafkaClient.fetch_all_metadata``: an assign-only consumer tracks no topics)."""
+    return await consumer._client.fetch_all_metadata()
 
 
 # aiokafka's per-partition record iterator, as the fetcher had it before any

@@ -17,13 +17,14 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.client import AIOKafkaClient
 from aiokafka.consumer import fetcher
 from aiokafka.consumer.group_coordinator import GroupCoordinator
 from aiokafka.consumer.subscription_state import SubscriptionState
 from aiokafka.producer.sender import Sender
 from aiokafka.producer.transaction_manager import TransactionManager
-from aiokafka.structs import TopicPartition
+from aiokafka.structs import BrokerMetadata, TopicPartition
 
 from service.stream import aiokafka_internals as internals
 from service.stream import unreadable
@@ -193,3 +194,26 @@ def test_installing_the_replacement_is_idempotent() -> None:
         assert fetcher.PartitionRecords is installed
     finally:
         fetcher.PartitionRecords = original
+
+
+async def test_the_admin_client_sends_raw_requests_and_keeps_its_client() -> None:
+    # crs-consumer check: Metadata without auto-creation and DescribeAcls have no admin
+    # method; the brokers' ids come from the admin's client's cluster metadata.
+    admin = AIOKafkaAdminClient(bootstrap_servers=NOWHERE)
+    try:
+        assert inspect.iscoroutinefunction(admin._send_request)
+        assert next(iter(inspect.signature(admin._send_request).parameters)) == "request"
+        assert isinstance(admin._client, AIOKafkaClient)
+        assert internals.broker_ids(admin) == []  # nothing fetched yet
+        admin._client.cluster._brokers = {3: BrokerMetadata(3, "127.0.0.1", 1, None)}
+        assert internals.broker_ids(admin) == [3]
+    finally:
+        await admin.close()
+
+
+async def test_a_consumers_client_fetches_every_topics_metadata(
+    consumer: AIOKafkaConsumer,
+) -> None:
+    # crs-consumer dlq: an assign-only consumer tracks no topics.
+    assert inspect.iscoroutinefunction(consumer._client.fetch_all_metadata)
+    assert list(inspect.signature(consumer._client.fetch_all_metadata).parameters) == []
