@@ -13,8 +13,8 @@ from aiokafka.structs import OffsetAndMetadata
 
 from service.stream import aiokafka_internals
 from service.stream.engine import transaction
-from service.stream.engine.core import EngineCore
 from service.stream.engine.state import Partition
+from service.stream.engine.transaction import Transactions
 
 
 class TokenBucket:
@@ -41,7 +41,7 @@ class TokenBucket:
         self.tokens = max(self.tokens - 1, 0.0)
 
 
-class Committer(EngineCore):
+class Committer(Transactions):
     """Each owned partition's committer task: when to commit (see :meth:`_commit_loop`)."""
 
     async def _commit_loop(self, part: Partition) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -80,7 +80,8 @@ class EngineCore:
         return task
 
     if TYPE_CHECKING:
-        # What one part calls in another (each defined in the module named).
+        # What one part calls in another it does not derive from (each defined in
+        # the module named; Committer derives from Transactions, Ownership from Release).
 
         def _part_task_done(  # release
             self, part: Partition, which: str, task: asyncio.Task[None]
@@ -90,35 +91,12 @@ class EngineCore:
 
         def _fenced(self, part: Partition) -> None: ...
 
-        async def _drop(self, part: Partition, *, close_later: bool = False) -> None: ...
-
-        async def _release(
-            self,
-            tps: list[TopicPartition],
-            *,
-            wait_s: float,
-            commit_s: float | None = None,
-            close_later: bool = False,
-        ) -> None: ...
-
-        def _in_background(
-            self, tp: TopicPartition, acquiring: Coroutine[Any, Any, None], name: str
-        ) -> asyncio.Task[None]:
-            raise NotImplementedError
-
         async def _commit_loop(self, part: Partition) -> None: ...  # committer
 
         async def _abort_ahead_locked(self, part: Partition) -> None: ...
 
-        async def _outside_commit(self, part: Partition, request: Awaitable[None]) -> None: ...
-
-        async def _commit(self, part: Partition) -> bool:  # transaction
+        async def _commit_locked(self, part: Partition) -> bool:  # transaction
             raise NotImplementedError
-
-        async def _commit_locked(self, part: Partition) -> bool:
-            raise NotImplementedError
-
-        def _commit_failed(self, part: Partition, exc: BaseException) -> None: ...
 
         async def _acquire_later(self, tp: TopicPartition, delay: float) -> None: ...  # ownership
 

@@ -15,7 +15,8 @@ from aiokafka.structs import OffsetAndMetadata, TopicPartition
 from service.stream import aiokafka_internals, deferred, errors
 from service.stream.committed import fetch_committed
 from service.stream.engine import clients
-from service.stream.engine.core import EngineCore, close_quietly, log
+from service.stream.engine.core import close_quietly, log
+from service.stream.engine.release import Release
 from service.stream.engine.state import TAKE_OVER_FAILED, Partition, Unsure
 from service.stream.ledger import Ledger
 
@@ -33,7 +34,7 @@ class Listener(ConsumerRebalanceListener):  # type: ignore[misc]
         await self._service._on_assigned(list(assigned))
 
 
-class Ownership(EngineCore):
+class Ownership(Release):
     """The group's assignment and revocation, and the take-over of each partition."""
 
     async def _on_assigned(self, assigned: list[TopicPartition]) -> None:

@@ -23,12 +23,10 @@ from service.stream.engine.core import (
 from service.stream.engine.lag import Lag
 from service.stream.engine.lanes import KeyLanes
 from service.stream.engine.ownership import Listener, Ownership
-from service.stream.engine.release import Release
 from service.stream.engine.state import Partition, PartitionView
-from service.stream.engine.transaction import Transactions
 
 
-class StreamService(KeyLanes, Committer, Transactions, Ownership, Release, Lag):
+class StreamService(KeyLanes, Committer, Ownership, Lag):
     """Runs the engine until :meth:`request_stop`; then commits, leaves the group, returns."""
 
     # ------------------------------------------------------------------ lifecycle
