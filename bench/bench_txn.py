@@ -41,7 +41,7 @@ from _verdict import WorkloadError, finish
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
-from service.stream.consumer import _add_partitions_ahead
+from service.stream.aiokafka_internals import add_partitions_to_txn
 
 
 async def check(bootstrap: str, topic: str, group: str, n: int) -> None:
@@ -93,7 +93,7 @@ async def transactions(
 async def ahead(bootstrap: str, n: int) -> dict[str, list[float]]:
     """Seconds from decision to commit, n/3 of each way: the usual way, opened ahead
     (the offset sent while the record waits) and opened ahead with the output partition
-    added too (the engine's _add_partitions_ahead, as it ships)."""
+    added too (aiokafka_internals.add_partitions_to_txn, as the engine uses it)."""
     times: dict[str, list[float]] = {w: [] for w in WAYS}
     async with transactions(bootstrap, 10, n) as (producer, topic, group, tp):
         for i in range(n):
@@ -112,7 +112,7 @@ async def ahead(bootstrap: str, n: int) -> dict[str, list[float]]:
                 await producer.begin_transaction()
                 wait = asyncio.ensure_future(asyncio.sleep(0.01))  # the PATCH
                 if way == "+ output partition":
-                    _add_partitions_ahead(producer, topic, [key])
+                    add_partitions_to_txn(producer, topic, [key])
                 await producer.send_offsets_to_transaction(offsets, group)
                 await wait
                 decided = time.perf_counter()

@@ -28,6 +28,7 @@ from typing import Any
 
 from service.app.config import Config
 from service.app.kafka_access import missing_acls
+from service.stream import aiokafka_internals
 
 __all__ = [
     "EXIT_CONFIG",
@@ -262,7 +263,8 @@ async def _topics_present(admin: Any, config: Config) -> set[str]:
 
     topics = [config.input_topic, config.output_topic, config.dlq_topic]
     # Named topics, no auto-creation: an unauthorized topic answers 29, not "missing".
-    response = await admin._send_request(MetadataRequest(topics, allow_auto_topic_creation=False))
+    request = MetadataRequest(topics, allow_auto_topic_creation=False)
+    response = await aiokafka_internals.send_admin_request(admin, request)
     return {entry[1] for entry in response.topics if entry[0] in (0, 29)}
 
 
@@ -272,7 +274,8 @@ async def _describe_acls(admin: Any) -> str:
 
     # resource type, pattern, operation, permission: 1 = ANY; no name/principal/host filter
     try:
-        response = await admin._send_request(DescribeAclsRequest(1, None, 1, None, None, 1, 1))
+        request = DescribeAclsRequest(1, None, 1, None, None, 1, 1)
+        response = await aiokafka_internals.send_admin_request(admin, request)
     except Exception as exc:  # an old broker or a closed connection: the probes still ran
         return f"ACLs not described: {type(exc).__name__}"
     if response.error_code == 54:
@@ -293,7 +296,7 @@ async def _auto_create(admin_args: dict[str, object]) -> bool:
     admin = AIOKafkaAdminClient(**admin_args, request_timeout_ms=10000)
     try:
         await admin.start()
-        brokers = [b.nodeId for b in admin._client.cluster.brokers()]
+        brokers = aiokafka_internals.broker_ids(admin)
         described = await admin.describe_configs(
             [ConfigResource(ConfigResourceType.BROKER, str(brokers[0]))]
         )

@@ -31,7 +31,8 @@ from datetime import UTC, datetime
 from typing import Any, NamedTuple, TextIO
 
 from service.app.config import Config
-from service.stream.processor import REDRIVE_HEADER
+from service.stream import aiokafka_internals
+from service.stream import dlq_headers as H
 
 __all__ = [
     "INCOMPLETE",
@@ -83,7 +84,7 @@ class DlqRecord:
 
     @property
     def code(self) -> str:
-        return self.header("crs.error") or "unknown"
+        return self.header(H.ERROR) or "unknown"
 
     @property
     def size(self) -> int:
@@ -98,13 +99,13 @@ class DlqRecord:
         sends unchanged. Content, not a header: a header any producer can set could
         make one input's dead letter supersede another's. Without a value (a stub, a
         value left out; both refused): the dead letter alone."""
-        if self.header("crs.stub") is not None or self.header("crs.value.omitted") is not None:
+        if self.header(H.STUB) is not None or self.header(H.VALUE_OMITTED) is not None:
             return f"dead letter {self.partition}/{self.offset}"
         h = hashlib.sha256()
         for part in (self.key, self.value):
             h.update(b"-" if part is None else b"+%d:" % len(part) + part)
         for k, v in self.headers:
-            if not k.startswith("crs."):
+            if not k.startswith(H.PREFIX):
                 name = k.encode("utf-8", errors="surrogateescape")
                 h.update(b"h%d:" % len(name) + name)
                 h.update(b"-" if v is None else b"+%d:" % len(v) + v)
@@ -112,7 +113,7 @@ class DlqRecord:
 
     @property
     def redrive_count(self) -> int:
-        raw = self.header(REDRIVE_HEADER)
+        raw = self.header(H.REDRIVE_COUNT)
         try:
             return max(0, int(raw)) if raw is not None else 0
         except ValueError:
@@ -144,8 +145,8 @@ class DlqFilter:
 
 def redrive_headers(r: DlqRecord) -> list[tuple[str, bytes | None]]:
     """The original headers without ``crs.*``, plus the incremented redrive count."""
-    kept = [(k, v) for k, v in r.headers if not k.startswith("crs.")]
-    kept.append((REDRIVE_HEADER, str(r.redrive_count + 1).encode("ascii")))
+    kept = [(k, v) for k, v in r.headers if not k.startswith(H.PREFIX)]
+    kept.append((H.REDRIVE_COUNT, str(r.redrive_count + 1).encode("ascii")))
     return kept
 
 
@@ -175,7 +176,7 @@ async def read_dlq(
     try:
         await consumer.start()  # inside: a failed start's connections are closed below
         # An assign-only consumer tracks no topics; ask the cluster directly.
-        cluster = await consumer._client.fetch_all_metadata()
+        cluster = await aiokafka_internals.fetch_all_metadata(consumer)
         parts = cluster.partitions_for_topic(config.dlq_topic)
         if not parts:
             # A metadata request for all topics leaves out those the account may not
@@ -256,7 +257,7 @@ class _CodeSummary:
         self.last_ms = r.timestamp_ms if self.last_ms is None else max(self.last_ms, r.timestamp_ms)
         span = self.offsets.setdefault(r.partition, [r.offset, r.offset])
         span[0], span[1] = min(span[0], r.offset), max(span[1], r.offset)
-        reason = (r.header("crs.reason") or "")[:_SAMPLE_CHARS]
+        reason = (r.header(H.REASON) or "")[:_SAMPLE_CHARS]
         if len(self.samples) < _SAMPLES_PER_CODE and reason not in self.samples:
             self.samples.append(reason)
 
@@ -353,20 +354,20 @@ async def redrive(
     refused: list[tuple[int, int, str, str]] = []
 
     def refuse(r: DlqRecord) -> str | None:
-        if r.header("crs.source.topic") not in (None, config.input_topic):
-            return f"from another topic ({_shown(r.header('crs.source.topic') or '')})"
+        if r.header(H.SOURCE_TOPIC) not in (None, config.input_topic):
+            return f"from another topic ({_shown(r.header(H.SOURCE_TOPIC) or '')})"
         if r.redrive_count >= max_redrives:
             return f"redriven {r.redrive_count} times (--max-redrives)"
-        if r.header("crs.value.omitted") is not None:
+        if r.header(H.VALUE_OMITTED) is not None:
             return "value omitted (too large); the original is in the input topic"
-        if r.header("crs.stub") is not None:
+        if r.header(H.STUB) is not None:
             # A stub (its dead letter was refused by the topic) has no value: sent back it
             # would only come back as empty_value. The original is in the input topic.
             return "a stub without the value; the original is in the input topic"
-        if r.header("crs.key.truncated") is not None:
+        if r.header(H.KEY_TRUNCATED) is not None:
             # The cut key would land on another partition, out of the key's order.
             return "key cut short; the original is in the input topic"
-        if r.header("crs.headers.truncated") or r.header("crs.headers.omitted"):
+        if r.header(H.HEADERS_TRUNCATED) or r.header(H.HEADERS_OMITTED):
             return "headers cut short or left out; the original is in the input topic"
         if r.value is None:
             # The input had no value (a tombstone): it would come back as empty_value, and
@@ -591,7 +592,7 @@ async def _publish(producer: Any, config: Config, records: Sequence[DlqRecord]) 
                 f"(within {_COMMIT_WAIT_S:.0f} s, or before another signal came): the "
                 f"{len(records)} records may or may not "
                 f"have been sent to {config.input_topic}; look for them (header "
-                f"{REDRIVE_HEADER}) before running redrive again"
+                f"{H.REDRIVE_COUNT}) before running redrive again"
             ) from None
         return True
     return False

@@ -25,7 +25,6 @@ from typing import Any, TypedDict
 
 import aiohttp
 import structlog
-from aiokafka import errors as kafka_errors
 from prometheus_client import Counter
 
 from service import backoff
@@ -40,13 +39,14 @@ from service.crs.invariants import KINDS
 from service.crs.ports import ApiError
 from service.k8s import K8sMetrics, KubeClient, ListClusterState
 from service.k8s.cache import WatchClusterState
+from service.stream import errors as kafka_error_kinds
 from service.stream.codec import clip
-from service.stream.consumer import KafkaClientEnded, StreamService, StreamSettings
+from service.stream.engine import KafkaClientEnded, StreamService, StreamSettings
 from service.stream.kafka_probe import KafkaProbe
 from service.stream.metrics import StreamMetrics
 from service.stream.processor import Processor
 
-__all__ = ["Runtime", "recorder_options", "run_service", "stream_settings", "watch_options"]
+__all__ = ["Runtime", "recorder_options", "run_service", "watch_options"]
 
 log = structlog.get_logger(__name__)
 
@@ -80,39 +80,6 @@ class WatchOptions(TypedDict):
     backoff_base_s: float
     backoff_max_s: float
     invariant_grace_s: float
-
-
-def stream_settings(c: Config) -> StreamSettings:
-    return StreamSettings(
-        input_topic=c.input_topic,
-        group_id=c.group_id,
-        exactly_once=c.exactly_once,
-        transactional_id_prefix=c.effective_transactional_id_prefix,
-        max_batch=c.max_batch,
-        max_in_flight=c.max_in_flight,
-        key_concurrency=c.key_concurrency,
-        max_event_bytes=c.max_event_bytes,
-        commit_interval_ms=c.commit_interval_ms,
-        commit_burst=c.commit_burst,
-        txn_retry_backoff_ms=c.txn_retry_backoff_ms,
-        txn_open_ahead_ms=c.txn_open_ahead_ms,
-        commit_max_records=c.commit_max_records,
-        retry_backoff_s=c.retry_backoff_s,
-        retry_backoff_max_s=c.retry_backoff_max_s,
-        revoke_wait_s=c.revoke_wait_s,
-        # The revoke's commits get what is left of half a session (at least a second).
-        revoke_commit_s=max(1.0, c.session_timeout_ms / 2000 - c.revoke_wait_s),
-        # No heartbeat during the assignment callback either: stay well inside a session.
-        assign_wait_s=c.session_timeout_ms / 3000,
-        stop_wait_s=c.shutdown_timeout_s / 3,
-        fence_recheck_s=c.fence_recheck_s,
-        commit_timeout_s=c.commit_timeout_s,
-        poll_timeout_ms=c.poll_timeout_ms,
-        fetch_linger_ms=c.fetch_linger_ms,
-        auto_offset_reset=c.auto_offset_reset,
-        client_args=c.kafka_client_args(),
-        consumer_args=c.kafka_consumer_args(),
-    )
 
 
 def recorder_options(c: Config) -> RecorderOptions:
@@ -260,7 +227,7 @@ class Runtime:
             max_event_bytes=c.max_event_bytes,
             max_attempts=c.max_attempts,
         )
-        self.stream = StreamService(stream_settings(c), processor, self.metrics)
+        self.stream = StreamService(StreamSettings.from_config(c), processor, self.metrics)
         bound = c.readiness_bound_s
         # Probe often enough that a healthy cluster never looks older than the bound.
         self.kafka_probe = KafkaProbe(
@@ -679,38 +646,16 @@ async def _rebuild(
     return reloaded
 
 
-# The broker refuses an ACL: configuration at the first start, a change on the broker's
-# side once the service has run (see _start_with_retry).
-_KAFKA_AUTHZ_ERRORS: tuple[type[BaseException], ...] = (
-    kafka_errors.TopicAuthorizationFailedError,
-    kafka_errors.GroupAuthorizationFailedError,
-    kafka_errors.ClusterAuthorizationFailedError,
-    kafka_errors.TransactionalIdAuthorizationFailed,
-)
-# Kafka errors that no retry fixes: credentials, ACLs, client settings (configuration).
-_KAFKA_CONFIG_ERRORS: tuple[type[BaseException], ...] = (
-    kafka_errors.AuthenticationFailedError,
-    kafka_errors.AuthenticationMethodNotSupported,
-    kafka_errors.UnsupportedSaslMechanismError,
-    kafka_errors.IllegalSaslStateError,
-    kafka_errors.KafkaConfigurationError,
-    kafka_errors.IllegalArgumentError,
-    kafka_errors.IncompatibleBrokerVersion,
-    kafka_errors.UnsupportedCodecError,
-    *_KAFKA_AUTHZ_ERRORS,
-)
-
-
 def _transient_startup_error(exc: BaseException) -> bool:
     """Worth another start-up attempt: the broker or the API server is (briefly) away.
 
     A configuration error (bad settings, a missing or unreadable file, credentials or
     ACLs that the servers refuse) is not: the process exits and says why.
     """
-    if isinstance(exc, _KAFKA_CONFIG_ERRORS):
+    if kafka_error_kinds.is_configuration(exc):
         return False
-    if isinstance(exc, kafka_errors.KafkaError):
-        return True
+    if kafka_error_kinds.classify(exc) is not kafka_error_kinds.Kind.OTHER:
+        return True  # any other Kafka error
     if isinstance(exc, ApiError):
         return exc.retryable
     if isinstance(
@@ -779,7 +724,7 @@ async def _start_with_retry(
         except Exception as exc:
             error = clip(f"{type(exc).__name__}: {exc}")
             transient = _transient_startup_error(exc) or (
-                restarting and isinstance(exc, (*_KAFKA_AUTHZ_ERRORS, KafkaAccessDenied))
+                restarting and (kafka_error_kinds.is_acl(exc) or isinstance(exc, KafkaAccessDenied))
             )
             # A retry keeps the HTTP server up: the kubelet restarts a pod whose liveness
             # probe goes unanswered, and /readyz says why it is not ready.

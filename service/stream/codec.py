@@ -53,6 +53,7 @@ from service.model.events import (
     Timestamp,
 )
 from service.model.nova import Decision, ExternalSchedulerRequest
+from service.stream import dlq_headers as H
 
 __all__ = [
     "DEFAULT_INPUT_SOURCE",
@@ -520,11 +521,11 @@ def dead_letter_headers(code: str, reason: str, ref: InputRef) -> list[tuple[str
         cut = raw[: MAX_REASON_BYTES - 3].decode("utf-8", errors="ignore")
         raw = (cut + "...").encode("utf-8")
     return [
-        ("crs.error", code.encode("utf-8")),
-        ("crs.reason", raw),
-        ("crs.source.topic", ref.topic.encode("utf-8")),
-        ("crs.source.partition", str(ref.partition).encode("ascii")),
-        ("crs.source.offset", str(ref.offset).encode("ascii")),
+        (H.ERROR, code.encode("utf-8")),
+        (H.REASON, raw),
+        (H.SOURCE_TOPIC, ref.topic.encode("utf-8")),
+        (H.SOURCE_PARTITION, str(ref.partition).encode("ascii")),
+        (H.SOURCE_OFFSET, str(ref.offset).encode("ascii")),
     ]
 
 

@@ -23,16 +23,13 @@ from aiokafka import errors as kafka_errors
 from aiokafka.protocol.commit import OffsetFetchRequest
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
+from service.stream import aiokafka_internals, errors
+from service.stream.aiokafka_internals import GroupCoordinator
+
 __all__ = ["OffsetFetchIncomplete", "fetch_committed", "read_committed"]
 
 # OffsetFetch's "no committed offset" (Kafka's OffsetFetchResponse.INVALID_OFFSET).
 _NO_OFFSET = -1
-
-# Errors after which the group coordinator must be looked up again (as aiokafka does).
-_COORDINATOR_GONE = (
-    kafka_errors.NotCoordinatorForGroupError,
-    kafka_errors.GroupCoordinatorNotAvailableError,
-)
 
 
 class OffsetFetchIncomplete(kafka_errors.KafkaError):  # type: ignore[misc]
@@ -67,15 +64,17 @@ def read_committed(response: Any, tp: TopicPartition, group_id: str) -> OffsetAn
     raise OffsetFetchIncomplete(f"no answer for {tp.topic}[{tp.partition}]")
 
 
-async def fetch_committed(coordinator: Any, tp: TopicPartition) -> OffsetAndMetadata | None:
-    """Ask the group's coordinator (aiokafka's consumer ``_coordinator``) for ``tp``'s
-    committed offset, once: any error raises (see the module docstring)."""
+async def fetch_committed(
+    coordinator: GroupCoordinator, tp: TopicPartition
+) -> OffsetAndMetadata | None:
+    """Ask the group's coordinator (see ``aiokafka_internals.group_coordinator``) for
+    ``tp``'s committed offset, once: any error raises (see the module docstring)."""
     group_id: str = coordinator.group_id
     await coordinator.ensure_coordinator_known()
     request = OffsetFetchRequest(group_id, [(tp.topic, [tp.partition])])
     try:
-        # _send_req marks the coordinator dead itself when the request cannot be sent.
-        return read_committed(await coordinator._send_req(request), tp, group_id)
-    except _COORDINATOR_GONE:
+        response = await aiokafka_internals.send_to_coordinator(coordinator, request)
+        return read_committed(response, tp, group_id)
+    except errors.COORDINATOR_MOVED:
         coordinator.coordinator_dead()
         raise

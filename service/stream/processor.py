@@ -31,6 +31,7 @@ import structlog
 from service.crs import Recorder
 from service.crs.outcome import AllocationStatus, Outcome
 from service.crs.ports import ApiError, ForbiddenError
+from service.stream import dlq_headers as H
 from service.stream.codec import (
     INTERNAL_ERROR,
     MAX_LOGGED_BYTES,
@@ -79,8 +80,8 @@ class _RecordLog:
 
 Headers = Sequence[tuple[str, bytes | None]]
 
-# Survives dead-lettering, so `crs-consumer dlq redrive` can refuse to loop a record.
-REDRIVE_HEADER = "crs.redrive.count"
+# Survives dead-lettering (see service.stream.dlq_headers); the name dlq imports.
+REDRIVE_HEADER = H.REDRIVE_COUNT
 # Bound on the kept count's value: it comes from input (any producer can set it).
 _REDRIVE_VALUE_BYTES = 20
 
@@ -212,14 +213,14 @@ def stub_dead_letter(out: OutRecord, *, error: str | None = None) -> OutRecord:
         raise ValueError("only a dead letter built by the Processor has a stub")
     key = src.key if src.key is not None and len(src.key) <= _STUB_KEY_BYTES else None
     headers = dead_letter_headers(src.code, clip(src.reason, _STUB_REASON_BYTES), src.ref)
-    headers.append(("crs.stub", b"true"))
+    headers.append((H.STUB, b"true"))
     if src.key is not None:
-        headers.append(("crs.key.size", str(len(src.key)).encode()))
+        headers.append((H.KEY_SIZE, str(len(src.key)).encode()))
     if src.value is not None:
-        headers.append(("crs.value.size", str(len(src.value)).encode()))
-        headers.append(("crs.value.sha256", hashlib.sha256(src.value).hexdigest().encode()))
+        headers.append((H.VALUE_SIZE, str(len(src.value)).encode()))
+        headers.append((H.VALUE_SHA256, hashlib.sha256(src.value).hexdigest().encode()))
     if error is not None:
-        headers.append(("crs.stub.error", clip(error, _STUB_REASON_BYTES).encode("utf-8")))
+        headers.append((H.STUB_ERROR, clip(error, _STUB_REASON_BYTES).encode("utf-8")))
     return OutRecord(
         topic=out.topic,
         key=_key_or_coordinates(key, None, src.ref),
@@ -257,7 +258,7 @@ def build_dead_letter(
     key = source.key
     extra = dead_letter_headers(source.code, clip(source.reason, bounds.reason_bytes), source.ref)
     if key is not None and len(key) > bounds.key_bytes:
-        extra.append(("crs.key.truncated", str(len(key)).encode()))
+        extra.append((H.KEY_TRUNCATED, str(len(key)).encode()))
         key = bytes(key[: bounds.key_bytes])
     kept: list[tuple[str, bytes]] = []
     count: bytes | None = None  # the input's redrive count, kept (see below)
@@ -272,7 +273,7 @@ def build_dead_letter(
             if count is None and raw is not None and len(raw) <= _REDRIVE_VALUE_BYTES:
                 count = bytes(raw)
             continue
-        if name.startswith("crs."):
+        if name.startswith(H.PREFIX):
             continue  # ours are replaced (a re-dead-lettered record gets fresh ones)
         try:
             name_bytes = len(name.encode("utf-8"))
@@ -294,9 +295,9 @@ def build_dead_letter(
     if count is not None:
         extra.append((REDRIVE_HEADER, count))
     if cut:
-        extra.append(("crs.headers.truncated", str(cut).encode()))
+        extra.append((H.HEADERS_TRUNCATED, str(cut).encode()))
     if omitted:
-        extra.append(("crs.headers.omitted", str(omitted).encode()))
+        extra.append((H.HEADERS_OMITTED, str(omitted).encode()))
     value = source.value
     if value is not None:
         # The value is kept whole or not at all: a cut value is neither the input nor
@@ -304,7 +305,7 @@ def build_dead_letter(
         room = bounds.budget - record_size(key, None, [*kept, *extra]) - 32
         too_big = max_value_bytes is not None and len(value) > max_value_bytes
         if too_big or len(value) + _varint_size(len(value)) > room:
-            extra.append(("crs.value.omitted", str(len(value)).encode()))
+            extra.append((H.VALUE_OMITTED, str(len(value)).encode()))
             value = None
     return OutRecord(
         topic=topic,

@@ -25,7 +25,8 @@ fetch (back-off, the cause in /readyz) and rewinds its partitions to the offsets
 received (see ``StreamService.run``). In a compacted topic the rest of a batch may name
 offsets that were compacted away: each still gets its stub.
 
-The replacement subclasses aiokafka's own class and keeps its logic (aborted
+The replacement subclasses aiokafka's own class (reached through
+:mod:`service.stream.aiokafka_internals`, which pins what it assumes) and keeps its logic (aborted
 transactions, control batches, compaction); it only wraps the batches it reads. Written
 against aiokafka 0.14 (pinned in requirements.lock); ``tests/unit/test_unreadable.py``
 runs it on batches parsed by aiokafka's real (C) record parser.
@@ -37,9 +38,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from aiokafka.consumer import fetcher as _fetcher
 from aiokafka.errors import CorruptRecordException
 from aiokafka.structs import ConsumerRecord
+
+from service.stream import aiokafka_internals
 
 __all__ = ["UnreadableRecord", "install"]
 
@@ -104,7 +106,7 @@ class _Batches:
         return int(self._records.size_in_bytes())
 
 
-class _TolerantPartitionRecords(_fetcher.PartitionRecords):  # type: ignore[misc]
+class _TolerantPartitionRecords(aiokafka_internals.PartitionRecordsBase):  # type: ignore[misc]
     next_fetch_offset: int  # aiokafka's: where the partition's next fetch starts
 
     def __init__(self, tp: Any, records: Any, *args: Any) -> None:
@@ -152,5 +154,4 @@ class _TolerantPartitionRecords(_fetcher.PartitionRecords):  # type: ignore[misc
 
 def install() -> None:
     """Make aiokafka's fetcher build :class:`_TolerantPartitionRecords` (idempotent)."""
-    if _fetcher.PartitionRecords is not _TolerantPartitionRecords:
-        _fetcher.PartitionRecords = _TolerantPartitionRecords
+    aiokafka_internals.install_partition_records(_TolerantPartitionRecords)

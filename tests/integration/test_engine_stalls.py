@@ -24,7 +24,7 @@ from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from service.stream import ledger
 from service.stream.codec import InputRef
-from service.stream.consumer import StreamService, StreamSettings
+from service.stream.engine import StreamService, StreamSettings
 from service.stream.metrics import StreamMetrics
 from service.stream.processor import OutRecord
 from tests import e2e

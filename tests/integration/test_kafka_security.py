@@ -30,7 +30,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from service.app.config import Config
 from service.app.kafka_access import Acl, required_acls
-from service.stream.consumer import transactional_id_for
+from service.stream.engine import transactional_id_for
 from tests import e2e
 from tests.conftest import REPO, DevStack
 from tests.secure_kafka import SecureKafka

@@ -19,7 +19,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from service.stream.codec import InputRef
-from service.stream.consumer import StreamService, StreamSettings
+from service.stream.engine import StreamService, StreamSettings
 from service.stream.metrics import StreamMetrics
 from service.stream.processor import OutRecord, Processor
 from tests import e2e

@@ -21,7 +21,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from service.stream.codec import InputRef
-from service.stream.consumer import StreamService, StreamSettings
+from service.stream.engine import StreamService, StreamSettings
 from service.stream.metrics import StreamMetrics
 from service.stream.partitioner import partition_for_key
 from service.stream.processor import OutRecord

@@ -392,37 +392,13 @@ def test_to_env_configures_a_child_process_exactly_so() -> None:
     assert Config.load(env=Config().to_env()) == Config()
 
 
-def test_the_engines_own_defaults_are_the_ones_the_service_ships() -> None:
-    # StreamSettings has defaults of its own (for embedders and the engine's unit tests);
-    # the engine's pacing knobs were each chosen by a measurement (BENCHMARKS.md), so the
-    # two must not drift apart.
-    from service.app.runtime import stream_settings
-    from service.stream.consumer import StreamSettings
-
-    shipped = stream_settings(Config.load(env={}))
-    engine = StreamSettings(input_topic=shipped.input_topic, group_id=shipped.group_id)
-    knobs = (
-        "max_batch",
-        "max_in_flight",
-        "key_concurrency",
-        "commit_interval_ms",
-        "commit_burst",
-        "commit_max_records",
-        "txn_retry_backoff_ms",
-        "txn_open_ahead_ms",
-        "fetch_linger_ms",
-        "poll_timeout_ms",
-    )
-    assert {k: getattr(engine, k) for k in knobs} == {k: getattr(shipped, k) for k in knobs}
-
-
 def test_the_rebalance_callbacks_stay_well_inside_the_session_timeout() -> None:
     # aiokafka sends no heartbeat while a revoke or an assignment callback runs.
-    from service.app.runtime import stream_settings
+    from service.stream.engine import StreamSettings
 
     for session_ms in ("10000", "45000"):
         c = Config.load(env={"CRS_SESSION_TIMEOUT_MS": session_ms})
-        s = stream_settings(c)
+        s = StreamSettings.from_config(c)
         assert s.assign_wait_s * 1000 <= c.session_timeout_ms / 3
         assert s.revoke_wait_s * 1000 <= c.session_timeout_ms / 2
         assert (s.revoke_wait_s + s.revoke_commit_s) * 1000 < c.session_timeout_ms

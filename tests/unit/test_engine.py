@@ -15,7 +15,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,14 +22,17 @@ import pytest_asyncio
 from aiokafka.errors import ConsumerStoppedError, KafkaConnectionError, KafkaError
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
-from service.stream import consumer as consumer_module
 from service.stream.codec import InputRef, encode_input
-from service.stream.consumer import (
+from service.stream.engine import (
     KafkaClientEnded,
     StreamService,
     StreamSettings,
     transactional_id_for,
 )
+from service.stream.engine import committer as committer_module
+from service.stream.engine import lanes as lanes_module
+from service.stream.engine import ownership as ownership_module
+from service.stream.engine import transaction as transaction_module
 from service.stream.metrics import StreamMetrics
 from service.stream.partitioner import partition_for_key
 from service.stream.processor import OutRecord, Processor, RetryLater
@@ -139,13 +141,13 @@ class Harness:
 
     async def part(self, tp: TopicPartition = TP0) -> Any:
         """``tp``'s partition state, once it has been taken over."""
-        await until(lambda: tp in self.service._parts)
-        return self.service._parts[tp]
+        await until(lambda: tp in self.service.partitions.owned)
+        return self.service.partitions.owned[tp]
 
     async def retaken(self, old: Any, tp: TopicPartition = TP0) -> Any:
         """``tp``'s partition state once it has been taken over again after ``old``."""
-        await until(lambda: self.service._parts.get(tp) not in (None, old))
-        return self.service._parts[tp]
+        await until(lambda: self.service.partitions.owned.get(tp) not in (None, old))
+        return self.service.partitions.owned[tp]
 
     async def stop(self) -> None:
         self.service.request_stop()
@@ -164,7 +166,7 @@ class Harness:
         """Gone without committing or closing anything (SIGKILL)."""
         assert self.task is not None
         self.task.cancel()
-        for part in list(self.service._parts.values()):
+        for part in list(self.service.partitions.owned.values()):
             for t in [*part.tasks, *([part.committer] if part.committer else [])]:
                 t.cancel()
 
@@ -285,7 +287,7 @@ async def test_a_fenced_owner_publishes_and_counts_nothing(broker: FakeBroker) -
     # Revoked before the re-check: it never re-initialises the id (that would fence
     # the rightful owner).
     zombie.consumer._assigned = set()
-    zombie.service._assigned.clear()
+    zombie.service._table.assigned.clear()
     await asyncio.sleep(0.1)
     assert broker.epochs[transactional_id_for("g", TP0)] == successor.epoch
     zombie.service.request_stop()
@@ -390,7 +392,7 @@ async def test_a_commit_hands_over_its_outputs_before_its_offsets(broker: FakeBr
         broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
     await h.start(TP0)
     await until(lambda: len(outputs(broker)) == 3)
-    calls = h.service._parts[TP0].producer.calls
+    calls = h.service.partitions.owned[TP0].producer.calls
     await h.stop()
     begin, first_offsets = calls.index("begin"), calls.index("offsets")
     assert first_offsets > begin + 1
@@ -416,14 +418,14 @@ async def test_a_transaction_right_after_another_sends_its_offsets_first(
     # are written; aiokafka retries a first request that adds an output partition after
     # 20 ms, one that adds the group after the short back-off. Window 10 s: every
     # transaction but the first follows "closely"; window 0: none does.
-    monkeypatch.setattr(consumer_module, "_MARKERS_WINDOW_S", window_s)
+    monkeypatch.setattr(transaction_module, "MARKERS_WINDOW_S", window_s)
     h = Harness(broker, txn_open_ahead_ms=0, fetch_linger_ms=0)
     broker.append(IN, 0, b"a", b"a0")
     await h.start(TP0)
     await until(lambda: outputs(broker) == [b"a0"])
     broker.append(IN, 0, b"b", b"b0")
     await until(lambda: outputs(broker) == [b"a0", b"b0"])
-    txns = transactions(h.service._parts[TP0].producer.calls)
+    txns = transactions(h.service.partitions.owned[TP0].producer.calls)
     await h.stop()
     assert txns[0] == ["begin", "send", "offsets", "commit"]
     second = ["begin", "offsets", "send", "commit"] if window_s else txns[0]
@@ -437,7 +439,7 @@ async def test_transactional_producers_get_the_short_retry_backoff(broker: FakeB
     await h.start(TP0)
     assert (await h.part()).producer.kwargs["retry_backoff_ms"] == 7
     # and Kafka's default key hashing, computed faster (service.stream.partitioner)
-    assert h.service._parts[TP0].producer.kwargs["partitioner"] is partition_for_key
+    assert h.service.partitions.owned[TP0].producer.kwargs["partitioner"] is partition_for_key
     await h.stop()
 
 
@@ -449,7 +451,7 @@ async def test_backpressure_stops_asking_for_the_partition_without_pausing_it(
     h = Harness(broker, max_in_flight=4, max_batch=2)
     gate = h.gated_records(10)
     await h.start(TP0)
-    await until(lambda: h.service._parts[TP0].backpressured)
+    await until(lambda: h.service.partitions.owned[TP0].backpressured)
     asked = len(h.consumer.asked)
     await asyncio.sleep(0.1)
     assert all(TP0 not in a for a in h.consumer.asked[asked:])
@@ -458,7 +460,7 @@ async def test_backpressure_stops_asking_for_the_partition_without_pausing_it(
     gate.set()
     await until(lambda: len(outputs(broker)) == 10)
     # Lifted once the commit has returned, which the outputs may be seen before.
-    await until(lambda: not h.service._parts[TP0].backpressured)
+    await until(lambda: not h.service.partitions.owned[TP0].backpressured)
     await h.stop()
 
 
@@ -476,7 +478,7 @@ async def test_a_bound_of_one_record_in_flight_keeps_the_partition_flowing(
     await until(lambda: len(outputs(broker)) == 2, limit_s=3.0)
     # Lifted once the commit has returned, which the outputs may be seen before (a busy
     # CI machine saw it still set).
-    await until(lambda: not h.service._parts[TP0].backpressured)
+    await until(lambda: not h.service.partitions.owned[TP0].backpressured)
     await h.stop()
 
 
@@ -488,10 +490,13 @@ async def test_a_partition_full_for_long_is_still_asked_for_one_record_now_and_t
     h = Harness(broker, max_in_flight=4, max_batch=2, poll_keepalive_s=0.05)
     gate = h.gated_records(40)
     await h.start(TP0)
-    await until(lambda: h.service._parts[TP0].backpressured)
+    await until(lambda: h.service.partitions.owned[TP0].backpressured)
     calls, started = len(h.consumer.asked), time.monotonic()
     await until(lambda: len(h.consumer.asked) - calls >= 6)  # kept asking while full
-    in_flight, elapsed = h.service._parts[TP0].ledger.in_flight, time.monotonic() - started
+    in_flight, elapsed = (
+        h.service.partitions.owned[TP0].ledger.in_flight,
+        time.monotonic() - started,
+    )
     assert in_flight <= 4 + 1 + elapsed / 0.05  # one record per keep-alive at most
     gate.set()
     await until(lambda: len(outputs(broker)) == 40)
@@ -544,9 +549,9 @@ async def test_a_partition_taken_over_twice_keeps_only_the_newer_producer(
         broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
     await h.start(TP0)
     await until(lambda: len(outputs(broker)) == 5)
-    first = h.service._parts[TP0]
+    first = h.service.partitions.owned[TP0]
     await h.service._acquire(TP0)
-    second = h.service._parts[TP0]
+    second = h.service.partitions.owned[TP0]
     assert second is not first
     assert first.closed
     assert first.producer.stopped
@@ -613,7 +618,7 @@ async def test_a_slow_take_over_goes_on_after_the_assignment_callback_returns(
     await h.consumer.assign([TP0, TP1])
     await h.consumer.assign([TP0])
     await asyncio.sleep(0.6)
-    assert TP1 not in h.service._parts
+    assert TP1 not in h.service.partitions.owned
     assert all(p.stopped for p in h.producers if p.txn_id and p.txn_id.endswith("-1"))
     await h.stop()
 
@@ -664,8 +669,8 @@ async def test_close_leaves_the_group_even_when_its_last_commit_is_cut_short(
     await h.part()
     broker.commit_delay_s = 60.0
     broker.append(IN, 0, b"k", b"v")
-    await until(lambda: "commit" in h.service._parts[TP0].producer.calls)
-    consumer, producer = h.consumer, h.service._parts[TP0].producer
+    await until(lambda: "commit" in h.service.partitions.owned[TP0].producer.calls)
+    consumer, producer = h.consumer, h.service.partitions.owned[TP0].producer
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(h.service.close(), 0.2)
     assert consumer.stopped
@@ -753,13 +758,13 @@ async def test_a_commit_cut_short_by_a_revoke_is_counted_when_the_partition_come
     await h.start(TP0)
     await until(lambda: outputs(broker) == [b"a0"])  # spends the only token
     broker.append(IN, 0, b"b", b"b0")
-    await until(lambda: h.service._parts[TP0].ledger.done_uncommitted == 1)
+    await until(lambda: h.service.partitions.owned[TP0].ledger.done_uncommitted == 1)
     broker.commit_delay_s = 0.3
     broker.init_delay_s = 0.5  # the take-over's InitProducerId waits for the EndTxn
     await h.consumer.assign([TP0])  # revoke (its commit cut short, landing later) + assign
     await until(lambda: outputs(broker) == [b"a0", b"b0"])
     broker.commit_delay_s = broker.init_delay_s = 0.0
-    await until(lambda: TP0 in h.service._parts)
+    await until(lambda: TP0 in h.service.partitions.owned)
     await until(lambda: h.counted() == 2)
     await h.stop()
     assert h.processor.calls == [(0, 0), (0, 1)]  # not redone
@@ -777,11 +782,11 @@ async def test_a_commit_of_unknown_outcome_is_remembered_without_its_records(
     await h.start(TP0)
     await until(lambda: outputs(broker) == [b"a0"])  # spends the only token
     broker.append(IN, 0, b"b", b"b0" * 1000)
-    await until(lambda: h.service._parts[TP0].ledger.done_uncommitted == 1)
+    await until(lambda: h.service.partitions.owned[TP0].ledger.done_uncommitted == 1)
     broker.commit_delay_s = 0.3
     await h.consumer.assign([])  # revoked, its commit cut short, not given back
-    await until(lambda: TP0 not in h.service._parts)
-    assert TP0 in h.service._unsure
+    await until(lambda: TP0 not in h.service.partitions.owned)
+    assert TP0 in h.service.partitions.unsure
 
     def payloads(obj: object, depth: int = 0) -> list[object]:
         if isinstance(obj, (OutRecord, bytes)) and obj != b"":
@@ -793,7 +798,7 @@ async def test_a_commit_of_unknown_outcome_is_remembered_without_its_records(
             found += payloads(ref, depth + 1)
         return found
 
-    assert payloads(h.service._unsure[TP0]) == []
+    assert payloads(h.service.partitions.unsure[TP0]) == []
     await h.stop()
 
 
@@ -837,7 +842,7 @@ async def test_a_partition_given_back_after_its_revoke_commit_failed_is_taken_ov
     await h.start(TP0)
     await until(lambda: outputs(broker) == [b"a0"])  # spends the only token
     broker.append(IN, 0, b"b", b"b0")
-    await until(lambda: h.service._parts[TP0].ledger.done_uncommitted == 1)
+    await until(lambda: h.service.partitions.owned[TP0].ledger.done_uncommitted == 1)
     if failure == "fenced":
         other = FakeProducer(broker, transactional_id=transactional_id_for("g", TP0))
         await other.start()  # the member that took the partition over meanwhile
@@ -846,7 +851,7 @@ async def test_a_partition_given_back_after_its_revoke_commit_failed_is_taken_ov
         broker.fail_commits = 1
     await h.consumer.assign([TP0])
     started = time.monotonic()
-    await until(lambda: TP0 in h.service._parts, limit_s=5)
+    await until(lambda: TP0 in h.service.partitions.owned, limit_s=5)
     waited = time.monotonic() - started
     await until(lambda: outputs(broker) == [b"a0", b"b0"])
     await h.stop()
@@ -977,14 +982,14 @@ async def test_an_oversized_record_without_a_key_is_not_parsed_for_its_lane(
     # Keying an unkeyed record by its instance UUID decodes it in the fetch loop; one
     # above the event size limit is dead-lettered unread, so it must not be parsed here.
     parsed: list[int] = []
-    real = consumer_module.decode_input
+    real = lanes_module.decode_input
 
     def counting(value: Any, headers: Any, **kwargs: Any) -> Any:
         if len(value) <= kwargs["max_bytes"]:  # above it, decode_input refuses unread
             parsed.append(len(value))
         return real(value, headers, **kwargs)
 
-    monkeypatch.setattr(consumer_module, "decode_input", counting)
+    monkeypatch.setattr(lanes_module, "decode_input", counting)
     h = Harness(broker, max_event_bytes=3000)
     _, decision, request = e2e.outcome("hv-1", ["hv-1"])
     small = encode_input(decision, request)[0]
@@ -1004,8 +1009,8 @@ async def test_a_take_over_clears_a_take_over_stall_but_not_a_commit_stall(
     h = Harness(broker)
     await h.start(TP0)
     await h.part()
-    h.service._mark_stalled(TP0, "commit failing: KafkaConnectionError")
-    h.service._parts.pop(TP0)
+    h.service._table.mark_stalled(TP0, "commit failing: KafkaConnectionError")
+    h.service._table.parts.pop(TP0)
     await h.service._acquire(TP0)
     assert h.service.stalled() == {TP0: "commit failing: KafkaConnectionError"}
     await h.stop()
@@ -1134,10 +1139,10 @@ async def test_revoke_commits_what_is_decided_and_closes_the_producer(broker: Fa
         broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
     await h.start(TP0)
     await until(lambda: h.service.processed == 4)
-    producer = h.service._parts[TP0].producer
+    producer = h.service.partitions.owned[TP0].producer
     await h.consumer.assign([TP1])
     assert producer.stopped
-    assert TP0 not in h.service._parts
+    assert TP0 not in h.service.partitions.owned
     assert broker.committed[("g", TP0)].offset == 4
     await h.stop()
 
@@ -1166,7 +1171,7 @@ async def test_thousands_of_waiting_lanes_drain_without_recursion(broker: FakeBr
     for i in range(3000):
         broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
     await h.start(TP0)
-    await until(lambda: len(h.service._parts[TP0].ready) == 3000)
+    await until(lambda: len(h.service.partitions.owned[TP0].ready) == 3000)
     gate.set()
     await until(lambda: len(outputs(broker)) == 3001, limit_s=10)
     await h.stop()
@@ -1260,7 +1265,7 @@ async def test_a_committer_that_crashes_is_taken_over_again(
     await h.start(TP0)
     await until(lambda: outputs(broker) == [b"v0"])
     # In the commit loop itself, outside the commit (whose errors are commit failures).
-    real = consumer_module._TokenBucket.take
+    real = committer_module.TokenBucket.take
     crashed: list[bool] = []
 
     def take_once(bucket: Any) -> None:
@@ -1269,7 +1274,7 @@ async def test_a_committer_that_crashes_is_taken_over_again(
             raise RuntimeError("a bug")
         real(bucket)
 
-    monkeypatch.setattr(consumer_module._TokenBucket, "take", take_once)
+    monkeypatch.setattr(committer_module.TokenBucket, "take", take_once)
     for i in range(1, 21):
         broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
     await until(lambda: broker.committed[("g", TP0)].offset == 21)
@@ -1282,7 +1287,7 @@ async def test_a_committer_that_crashes_is_taken_over_again(
 async def test_a_lane_worker_that_crashes_does_not_orphan_its_key(
     broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = consumer_module.Ledger.complete
+    real = ownership_module.Ledger.complete
     crashed: list[bool] = []
 
     def complete_once(ledger: Any, offset: int, done: Any) -> None:
@@ -1291,7 +1296,7 @@ async def test_a_lane_worker_that_crashes_does_not_orphan_its_key(
             raise RuntimeError("a bug")
         real(ledger, offset, done)
 
-    monkeypatch.setattr(consumer_module.Ledger, "complete", complete_once)
+    monkeypatch.setattr(ownership_module.Ledger, "complete", complete_once)
     h = Harness(broker)
     for v in (b"x0", b"y0", b"x1"):
         broker.append(IN, 0, v[:1], v)
@@ -1359,7 +1364,7 @@ async def test_a_cancelled_error_leaking_out_of_a_commit_is_a_failed_commit(
 async def test_a_take_over_that_crashes_is_said_and_tried_again(
     broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = consumer_module.Ledger
+    real = ownership_module.Ledger
     crashed: list[bool] = []
 
     def ledger_once(*args: Any) -> Any:
@@ -1368,7 +1373,7 @@ async def test_a_take_over_that_crashes_is_said_and_tried_again(
             raise RuntimeError("a bug")
         return real(*args)
 
-    monkeypatch.setattr(consumer_module, "Ledger", ledger_once)
+    monkeypatch.setattr(ownership_module, "Ledger", ledger_once)
     h = Harness(broker)
     broker.append(IN, 0, b"a", b"a0")
     await h.start(TP0)
@@ -1376,7 +1381,7 @@ async def test_a_take_over_that_crashes_is_said_and_tried_again(
     assert crashed
     assert TP0 not in h.service.stalled()  # cleared by the take-over that worked
     # The crashed take-over's producer was closed, not left open (one per retry).
-    owner = h.service._parts[TP0].producer
+    owner = h.service.partitions.owned[TP0].producer
     assert all(p.stopped for p in h.producers if p is not owner)
     await h.stop()
 
@@ -1508,7 +1513,9 @@ async def test_a_partition_not_fetched_is_not_shown_as_held_by_a_transaction(
     broker.append(IN, 0, b"t", b"t2")  # the open transaction's record
     await h.consumer.assign([TP0])
     h.task = asyncio.create_task(h.service.run())
-    await until(lambda: TP0 in h.service._parts and h.service._parts[TP0].backpressured)
+    await until(
+        lambda: TP0 in h.service.partitions.owned and h.service.partitions.owned[TP0].backpressured
+    )
     del h.consumer.open_transaction_at[TP0]  # it commits; the partition is not fetched
     h.consumer.poll_age_s = 60.0  # the last fetch answer: a minute ago
     await asyncio.sleep(0.2)
@@ -1550,7 +1557,7 @@ async def test_lag_keeps_growing_while_the_partition_is_left_out_by_backpressure
     for i in range(10):
         broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
     await h.start(TP0)
-    await until(lambda: h.service._parts[TP0].backpressured)
+    await until(lambda: h.service.partitions.owned[TP0].backpressured)
     for i in range(10, 60):
         broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
     await until(lambda: lag(h) == 60)
@@ -1662,7 +1669,7 @@ async def test_right_after_a_commit_no_partition_is_added_ahead(
     # partition, so a transaction opened right after a commit sends its offset first,
     # and its outputs add their partitions as usual. "Right after" is widened to 10 s
     # here: the real 20 ms was missed when the loop stalled on a busy machine.
-    monkeypatch.setattr(consumer_module, "_MARKERS_WINDOW_S", 10.0)
+    monkeypatch.setattr(transaction_module, "MARKERS_WINDOW_S", 10.0)
     broker.topic_partitions["out"] = 4
     h = Harness(broker, commit_burst=5, fetch_linger_ms=0)
     broker.append(IN, 0, b"k0", b"v0")
@@ -1689,27 +1696,6 @@ async def test_no_output_partition_is_added_ahead_before_the_topic_is_known(
     await h.stop()
 
 
-async def test_aiokafka_still_has_what_adding_partitions_ahead_uses() -> None:
-    # No public API: if an upgrade renames these, nothing is added ahead any more and
-    # placements are committed one round trip later. This fails first.
-    from aiokafka import AIOKafkaProducer
-    from aiokafka.producer.sender import Sender
-    from aiokafka.producer.transaction_manager import TransactionManager
-
-    producer = AIOKafkaProducer(bootstrap_servers="127.0.0.1:1", transactional_id="x")
-    try:
-        assert isinstance(producer._txn_manager, TransactionManager)
-        assert callable(producer._txn_manager.maybe_add_partition_to_txn)
-        assert producer._metadata.partitions_for_topic("out") is None  # nothing known yet
-        producer._metadata._partitions["out"] = {p: SimpleNamespace(leader=0) for p in range(3)}
-        chosen = producer._partition("out", None, b"k", None, b"k", None)
-        assert chosen == partition_for_key(b"k", [0, 1, 2], [0, 1, 2])
-        # The sender adds pending partitions before the group, and mutes them until then.
-        assert "partitions_to_add" in Sender._maybe_do_transactional_request.__code__.co_names
-    finally:
-        await producer.stop()
-
-
 async def test_an_offset_that_moved_while_open_ahead_is_sent_again(broker: FakeBroker) -> None:
     h, gate, producer = await one_waiting_record(broker, b"x", b"x0")  # offset 1 sent ahead
     broker.append(IN, 0, b"y", b"y0")  # decided at once, behind the stuck x0
@@ -1730,7 +1716,7 @@ async def test_a_transaction_open_ahead_too_long_is_aborted(broker: FakeBroker) 
     broker.append(IN, 0, b"k0", b"v0")
     await h.start(TP0)
     await until(lambda: ahead_count(h, "aborted") >= 1)
-    producer = h.service._parts[TP0].producer
+    producer = h.service.partitions.owned[TP0].producer
     # Counted just before the abort is sent (in a task of its own): wait for the call.
     await until(lambda: "abort" in producer.calls)
     assert producer.calls[:3] == ["begin", "offsets", "abort"]
@@ -1761,7 +1747,7 @@ async def test_a_revoke_aborts_a_transaction_open_ahead(broker: FakeBroker) -> N
     await until(lambda: outputs(broker) == [b"v0"])  # committed: offset 1
     h.processor.gates[b"v1"] = asyncio.Event()  # never decided
     broker.append(IN, 0, b"k1", b"v1")
-    producer = h.service._parts[TP0].producer
+    producer = h.service.partitions.owned[TP0].producer
     await until(lambda: producer.calls[-2:] == ["begin", "offsets"])
     await h.service._on_revoked([TP0])
     assert producer.calls[-1] == "abort"
@@ -1777,10 +1763,10 @@ async def test_opening_ahead_can_be_turned_off(broker: FakeBroker) -> None:
     await h.start(TP0)
     await until(lambda: h.processor.calls == [(0, 0)])
     await asyncio.sleep(0.05)
-    assert h.service._parts[TP0].producer.calls == []
+    assert h.service.partitions.owned[TP0].producer.calls == []
     gate.set()
     await until(lambda: outputs(broker) == [b"v0"])
-    assert h.service._parts[TP0].producer.calls == ["begin", "send", "offsets", "commit"]
+    assert h.service.partitions.owned[TP0].producer.calls == ["begin", "send", "offsets", "commit"]
     await h.stop()
 
 
@@ -1792,7 +1778,7 @@ async def test_a_closed_engine_leaves_no_partition_series_behind(broker: FakeBro
     broker.append(IN, 0, b"k", b"v0")
     await h.start(TP0)
     await until(lambda: lag(h) == 1)
-    h.service._stalled[TP0] = "commit failing"
+    h.service._table.stalled[TP0] = "commit failing"
     h.metrics.stalled.labels(IN, "0").set(1)
     gate.set()
     await h.stop()

@@ -12,7 +12,7 @@ from service.app import runtime as runtime_module
 from service.app.config import Config
 from service.app.runtime import Runtime
 from service.k8s.cache import WatchClusterState
-from service.stream.consumer import KafkaClientEnded
+from service.stream.engine import KafkaClientEnded
 from service.stream.metrics import StreamMetrics
 
 

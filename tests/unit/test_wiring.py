@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import socket
 import time
+import typing
 from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer
 
-from service.app.config import Config, ConfigError
-from service.app.runtime import Runtime, recorder_options, stream_settings, watch_options
+from service.app.config import SETTINGS, Config, ConfigError
+from service.app.runtime import Runtime, recorder_options, watch_options
 from service.crs import Recorder
 from service.k8s.cache import WatchClusterState
-from service.stream.consumer import StreamService
+from service.stream.engine import StreamService, StreamSettings
 from service.stream.kafka_probe import KafkaProbe
 from service.stream.metrics import StreamMetrics
 
@@ -39,10 +41,79 @@ TUNED = {
 
 
 def test_stream_settings_carry_the_engine_knobs() -> None:
-    s = stream_settings(Config.load(env=TUNED))
+    s = StreamSettings.from_config(Config.load(env=TUNED))
     assert (s.poll_timeout_ms, s.commit_timeout_s, s.fence_recheck_s) == (123, 7.5, 3.25)
     assert s.stop_wait_s == 7.0  # a third of the shutdown budget
     assert s.consumer_args["session_timeout_ms"] == 10000
+
+
+# How the engine's settings that are not a Config field of the same name come from the
+# configuration: for each, variables that change it (one set each).
+DERIVED: dict[str, list[dict[str, str]]] = {
+    "transactional_id_prefix": [
+        {"CRS_TRANSACTIONAL_ID_PREFIX": "tuned-prefix"},
+        {"CRS_GROUP_ID": "tuned-group"},  # the prefix defaults to the group id
+    ],
+    "revoke_commit_s": [{"CRS_SESSION_TIMEOUT_MS": "20000"}, {"CRS_REVOKE_WAIT_S": "1"}],
+    "assign_wait_s": [{"CRS_SESSION_TIMEOUT_MS": "20000"}],
+    "stop_wait_s": [{"CRS_SHUTDOWN_TIMEOUT_S": "15"}],
+    "client_args": [
+        {"KAFKA_BOOTSTRAP_SERVERS": "tuned:9092"},
+        {
+            "KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+            "KAFKA_SASL_MECHANISM": "PLAIN",
+            "KAFKA_SASL_USERNAME": "u",
+            "KAFKA_SASL_PASSWORD": "p",
+        },
+    ],
+    "consumer_args": [{"CRS_SESSION_TIMEOUT_MS": "20000"}, {"CRS_METADATA_MAX_AGE_S": "5"}],
+}
+# The engine's own knobs, not settings of the service (their defaults are the engine's).
+ENGINE_ONLY = {"poll_keepalive_s", "lag_refresh_s", "txn_open_ahead_max_s"}
+
+
+def _tuned(field: str) -> str:
+    """A valid value of Config ``field`` other than its default, as a variable's text."""
+    default = getattr(Config(), field)
+    hint = next(s.hint for s in SETTINGS if s.field == field)
+    while typing.get_origin(hint) is typing.Annotated:
+        hint = typing.get_args(hint)[0]
+    if typing.get_origin(hint) is typing.Literal:
+        return next(str(choice) for choice in typing.get_args(hint) if choice != default)
+    if isinstance(default, bool):
+        return str(not default).lower()
+    if isinstance(default, int):
+        return str(default + 1)
+    if isinstance(default, float):
+        return str(default / 2)  # within every bound a larger base or smaller cap keeps
+    return f"tuned-{field.replace('_', '-')}"
+
+
+def test_every_engine_setting_is_declared_once_in_the_config() -> None:
+    # Each field of StreamSettings is a Config setting of the same name, derived from
+    # settings (DERIVED), or the engine's own; a new one must be placed here.
+    fields = {f.name for f in dataclasses.fields(StreamSettings)}
+    same = fields & set(Config.__struct_fields__) - DERIVED.keys()
+    assert fields == same | DERIVED.keys() | ENGINE_ONLY
+    # The defaults of an engine built directly are the service's.
+    shipped = StreamSettings.from_config(Config())
+    direct = StreamSettings(input_topic=shipped.input_topic, group_id=shipped.group_id)
+    for name in fields - {"transactional_id_prefix", "client_args", "consumer_args"}:
+        assert getattr(direct, name) == getattr(shipped, name), name
+
+
+def test_every_setting_reaches_the_engine() -> None:
+    env = {s.field: s.env for s in SETTINGS}
+    fields = {f.name for f in dataclasses.fields(StreamSettings)}
+    shipped = StreamSettings.from_config(Config())
+    for name in sorted(fields & set(Config.__struct_fields__) - DERIVED.keys()):
+        tuned = Config.load(env={env[name]: _tuned(name)})
+        value = getattr(StreamSettings.from_config(tuned), name)
+        assert value == getattr(tuned, name) != getattr(shipped, name), name
+    for name, changes in DERIVED.items():
+        for change in changes:
+            value = getattr(StreamSettings.from_config(Config.load(env=change)), name)
+            assert value != getattr(shipped, name), (name, change)
 
 
 def test_recorder_options_carry_the_conflict_knobs() -> None:
@@ -158,7 +229,7 @@ async def _consumer_kwargs(config: Config) -> dict[str, Any]:
         raise _Built
 
     service = StreamService(
-        stream_settings(config),
+        StreamSettings.from_config(config),
         None,  # type: ignore[arg-type]  # never reached
         StreamMetrics(),
         consumer_factory=consumer,
@@ -195,7 +266,7 @@ async def test_every_kafka_client_of_the_replica_carries_the_client_id() -> None
     # The engine's per-partition producers, the admin clients of check and kafka_access and
     # the dlq tool's clients all take kafka_client_args; the probe marks its own.
     config = Config.load(env={"KAFKA_CLIENT_ID": "crs-eu-1"})
-    assert stream_settings(config).client_args["client_id"] == "crs-eu-1"
+    assert StreamSettings.from_config(config).client_args["client_id"] == "crs-eu-1"
     client = KafkaProbe(config.kafka_client_args())._new_client()
     assert client._client_id == "crs-eu-1-probe"
     await client.close()

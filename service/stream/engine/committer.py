@@ -1,0 +1,177 @@
+"""When a partition commits: the token bucket that paces its transactions, and the
+transaction opened ahead while its records wait on the Kubernetes API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Awaitable
+
+from aiokafka.structs import OffsetAndMetadata
+
+from service.stream import aiokafka_internals
+from service.stream.engine import transaction
+from service.stream.engine.state import Partition
+from service.stream.engine.transaction import Transactions
+
+
+class TokenBucket:
+    """A partition's commit pace (see _commit_loop): one token per ``interval`` seconds,
+    at most ``burst`` saved."""
+
+    __slots__ = ("burst", "filled", "interval", "tokens")
+
+    def __init__(self, interval: float, burst: float, now: float) -> None:
+        self.interval, self.burst = interval, burst
+        self.tokens, self.filled = burst, now
+
+    def level(self, now: float) -> float:
+        """The tokens saved by ``now``."""
+        self.tokens = min(self.burst, self.tokens + (now - self.filled) / self.interval)
+        self.filled = now
+        return self.tokens
+
+    def until_next(self) -> float:
+        """Seconds until a whole token is saved (from the last ``level``)."""
+        return (1 - self.tokens) * self.interval
+
+    def take(self) -> None:
+        self.tokens = max(self.tokens - 1, 0.0)
+
+
+class Committer(Transactions):
+    """Each owned partition's committer task: when to commit (see :meth:`_commit_loop`)."""
+
+    async def _commit_loop(self, part: Partition) -> None:
+        # Commits are paced by a token bucket: one token per commit_interval_ms, at most
+        # commit_burst saved. A transaction costs the broker and this process about the
+        # same whether it carries 1 record or 500 (measured: ~1.5-2.5 ms of client CPU
+        # each), so under load a partition commits once per interval with whatever was
+        # decided meanwhile; a quiet partition has saved tokens and commits each output
+        # at once. commit_max_records waiting outputs commit without a token.
+        #
+        # Opening ahead. A transaction is a chain of requests (add the output partition,
+        # produce, add the group, commit the offset, end): 7.5-11 ms at p50 on the dev
+        # stack, which a placement's output used to wait for *after* its ~5-10 ms PATCH.
+        # When a quiet partition's records are still undecided txn_open_ahead_ms after
+        # they arrived (a no-host-found event is decided in well under a millisecond, so
+        # those are waiting on the Kubernetes API), the committer begins the transaction
+        # and sends the offset the partition will have once they are done, while they
+        # wait, and adds the output partitions their keys go to
+        # (aiokafka_internals.add_partitions_to_txn).
+        # When they are decided only the outputs and the end remain (decision to commit,
+        # bench/bench_txn.py --ahead: p50 11.0 -> 8.4 ms, p90 20.9 -> 12.8 on a busy
+        # machine; on a quiet one 4.24 / 3.01 / 2.49 ms at p50 the usual way / opened
+        # ahead / with the partitions added ahead). Nothing is produced ahead, so an open
+        # transaction holds back no reader of the output topic; if the offset changed
+        # meanwhile (more records arrived), it is sent again (the broker keeps the last
+        # one of a transaction). Nothing decided within txn_open_ahead_max_s: the
+        # transaction is aborted, which loses nothing.
+        bucket = TokenBucket(
+            self._s.commit_interval_ms / 1000, float(max(self._s.commit_burst, 1)), self._clock()
+        )
+        ahead_after = self._s.txn_open_ahead_ms / 1000
+        while not part.closed:
+            if part.ahead is None:
+                await part.wake.wait()
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        part.wake.wait(), max(part.ahead_until - self._clock(), 0.0)
+                    )
+            part.wake.clear()
+            if part.closed:
+                break
+            now = self._clock()
+            tokens = bucket.level(now)
+            if not part.ledger.done_uncommitted:
+                if part.ahead is not None:
+                    if now >= part.ahead_until:
+                        await self._abort_ahead(part)
+                elif ahead_after > 0 and tokens >= 1 and part.ledger.pending:
+                    # Records arrived and none is decided: give them ahead_after (a
+                    # decision sets wake, and is then committed the usual way).
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(part.wake.wait(), ahead_after)
+                    if part.ledger.pending and not part.ledger.done_uncommitted:
+                        bucket.take()  # the transaction's token, spent when it begins
+                        await self._open_ahead(part)
+                continue
+            if part.ahead is None:
+                while not part.closed:
+                    if tokens >= 1 or part.ledger.done_uncommitted >= self._s.commit_max_records:
+                        break
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(part.wake.wait(), bucket.until_next())
+                    part.wake.clear()
+                    tokens = bucket.level(self._clock())
+                bucket.take()
+            if not part.closed:
+                await self._commit(part)
+
+    async def _open_ahead(self, part: Partition) -> None:
+        """Begin ``part``'s next transaction, send the offset it will commit and add the
+        output partitions its waiting records will be produced to."""
+        async with part.commit_lock:
+            offset = part.ledger.settled_position()
+            if part.closed or part.ahead is not None or offset is None:
+                return
+            if part.ledger.done_uncommitted or part.producer is None:
+                return
+            producer = part.producer
+            offsets = {part.tp: OffsetAndMetadata(offset, "")}
+            keys = _waiting_keys(part)
+
+            async def begin() -> None:
+                await producer.begin_transaction()
+                part.ahead, part.ahead_until = offset, self._clock() + self._s.txn_open_ahead_max_s
+                # Not right after the previous transaction: the broker answers the first
+                # request CONCURRENT_TRANSACTIONS meanwhile, and aiokafka retries a
+                # partition's after a fixed 20 ms, the group's sooner (see
+                # Transactions._send). Added after the offsets instead, a partition's
+                # failure (an output ACL) would surface only at the next send, as a
+                # misleading IllegalOperation.
+                if self._clock() - part.txn_ended >= transaction.MARKERS_WINDOW_S:
+                    aiokafka_internals.add_partitions_to_txn(
+                        producer, self._processor.output_topic, keys
+                    )
+                await producer.send_offsets_to_transaction(offsets, self._s.group_id)
+
+            await self._outside_commit(part, begin())
+
+    async def _abort_ahead(self, part: Partition) -> None:
+        async with part.commit_lock:
+            if not part.closed and part.ahead is not None and not part.ledger.done_uncommitted:
+                await self._abort_ahead_locked(part)
+
+    async def _abort_ahead_locked(self, part: Partition) -> None:
+        part.ahead = None
+        self._metrics.opened_ahead.labels("aborted").inc()
+        await self._outside_commit(part, part.producer.abort_transaction())
+        part.txn_ended = self._clock()
+
+    async def _outside_commit(self, part: Partition, request: Awaitable[None]) -> None:
+        """A transaction request made outside a commit, bounded and failing like one."""
+        try:
+            await asyncio.wait_for(request, self._s.commit_timeout_s)
+        except Exception as exc:
+            self._commit_failed(part, exc)
+
+
+# has a few; the topic's partitions bound the set anyway).
+_AHEAD_KEYS_MAX = 64
+
+
+def _waiting_keys(part: Partition) -> list[bytes]:
+    """The output keys of the records at the heads of ``part``'s lanes, as far as the
+    engine knows them without decoding: the record key (Nova keys by instance UUID, and
+    the processor dead-letters a key naming another instance), else the lane key (the
+    instance UUID, in lower case)."""
+    keys: list[bytes] = []
+    for lane_key, lane in itertools.islice(part.lanes.items(), _AHEAD_KEYS_MAX):
+        key = (lane[0].key if lane else None) or lane_key
+        if key:
+            keys.append(bytes(key))
+    return keys
