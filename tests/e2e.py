@@ -313,3 +313,23 @@ def log_events(path: Path, event: str) -> list[dict[str, Any]]:
         for line in path.read_text(errors="replace").splitlines()
         if needle in line and line.startswith("{")
     ]
+
+
+def audit(
+    kubeconfig: str, *args: str, grace_s: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``crs-consumer audit`` as an operator runs it, against ``kubeconfig``; ``grace_s``:
+    ``CRS_INVARIANT_GRACE_S`` (None: the default, 900 s, whatever this process has)."""
+    env = {**os.environ, "KUBECONFIG": kubeconfig}
+    env.pop("CRS_INVARIANT_GRACE_S", None)
+    if grace_s is not None:
+        env["CRS_INVARIANT_GRACE_S"] = grace_s
+    return subprocess.run(
+        [sys.executable, "-m", "service", "audit", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )

@@ -147,18 +147,8 @@ class InMemoryClusterState(ClusterState):
     async def fence_reservation(self, reservation: Reservation) -> Reservation:
         """The guarded fence: a new resourceVersion, nothing else that a slot means."""
         self.calls["fence_reservation"] += 1
-        name, rv = reservation.name, reservation.metadata.resource_version
         await asyncio.sleep(0)  # a request is a suspension point
-        stored = self._objects.get(("Reservation", name))
-        if stored is None:
-            raise NotFoundError(f"reservations {name!r} not found", status=404, kind="reservations")
-        if stored["metadata"]["resourceVersion"] != rv:
-            self.fence_results["409"] += 1
-            raise ConflictError(
-                f"reservations {name!r}: the object has been modified",
-                status=409,
-                kind="reservations",
-            )
+        stored = self._guarded(reservation, self.fence_results)
         self._bump(stored)
         self.fence_results["200"] += 1
         return from_k8s(stored, Reservation)
@@ -175,17 +165,7 @@ class InMemoryClusterState(ClusterState):
             await self.before_patch(reservation, self._patches)
         await asyncio.sleep(0)  # a request is a suspension point
         # From here on no await: the check and the write are one atomic step, as in etcd.
-        stored = self._objects.get(("Reservation", name))
-        if stored is None:
-            self.patch_results["404"] += 1
-            raise NotFoundError(f"reservations {name!r} not found", status=404, kind="reservations")
-        if stored["metadata"]["resourceVersion"] != rv:
-            self.patch_results["409"] += 1
-            raise ConflictError(
-                f"reservations {name!r}: the object has been modified",
-                status=409,
-                kind="reservations",
-            )
+        stored = self._guarded(reservation, self.patch_results)
         patch = {
             "spec": {"committedResourceReservation": {"allocations": {instance_uuid: allocation}}}
         }
@@ -195,6 +175,23 @@ class InMemoryClusterState(ClusterState):
         return from_k8s(stored, Reservation)
 
     # --- internals ------------------------------------------------------------------
+
+    def _guarded(self, reservation: Reservation, results: Counter[str]) -> dict[str, Any]:
+        """The stored object a write guarded by ``reservation``'s resourceVersion may
+        change, or the API server's 404 / 409 (counted in ``results``)."""
+        name = reservation.name
+        stored = self._objects.get(("Reservation", name))
+        if stored is None:
+            results["404"] += 1
+            raise NotFoundError(f"reservations {name!r} not found", status=404, kind="reservations")
+        if stored["metadata"]["resourceVersion"] != reservation.metadata.resource_version:
+            results["409"] += 1
+            raise ConflictError(
+                f"reservations {name!r}: the object has been modified",
+                status=409,
+                kind="reservations",
+            )
+        return stored
 
     def _bump(self, stored: dict[str, Any]) -> None:
         self.resource_version = stored["metadata"]["resourceVersion"] = str(next(self._revision))

@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -29,7 +26,7 @@ from kubernetes_asyncio import client
 
 from tests import e2e
 from tests import factories as f
-from tests.conftest import REPO, DevStack
+from tests.conftest import DevStack
 
 KINDS = (
     "vm_in_multiple_slots",
@@ -40,20 +37,6 @@ KINDS = (
 GRACE_S = 3
 MERGE = "application/merge-patch+json"
 OLD = (datetime.now(UTC) - timedelta(hours=2)).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def audit(kubeconfig: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "KUBECONFIG": kubeconfig}
-    env.pop("CRS_INVARIANT_GRACE_S", None)  # the default grace: 900 s
-    return subprocess.run(
-        [sys.executable, "-m", "service", "audit", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 def alloc(memory: str | None = "4Gi", ts: str = OLD, cpu: str = "2") -> dict[str, Any]:
@@ -88,7 +71,7 @@ async def test_planted_violations_show_on_the_gauge_and_in_the_audit(
     await f.create(
         api, f.reservation("ok", host="hv-1", allocations={"vm-ok": alloc(), "vm-ok2": alloc()})
     )
-    clean = await asyncio.to_thread(audit, devstack.kubeconfig)
+    clean = await asyncio.to_thread(e2e.audit, devstack.kubeconfig)
     assert clean.returncode == 0, (clean.stdout, clean.stderr)
     assert "1 committed-resource reservations checked" in clean.stdout
     assert "vm_in_multiple_slots=0, slot_overfilled=0" in clean.stdout
@@ -148,7 +131,7 @@ async def test_planted_violations_show_on_the_gauge_and_in_the_audit(
 
         # The audit: one-shot, its grace (900 s) counted from the timestamps: vm-fresh,
         # listed twice since a moment, is not reported; the rest is.
-        found = await asyncio.to_thread(audit, devstack.kubeconfig, "--json")
+        found = await asyncio.to_thread(e2e.audit, devstack.kubeconfig, "--json")
         assert found.returncode == 1, (found.stdout, found.stderr)
         doc = json.loads(found.stdout)
         assert doc["checked"] == 11
@@ -174,7 +157,7 @@ async def test_planted_violations_show_on_the_gauge_and_in_the_audit(
         assert "memory missing" in got[("allocation_malformed", "nomem")]["detail"]
         assert "not RFC 3339" in got[("allocation_malformed", "lowts")]["detail"]
         assert "does not decode" in got[("allocation_malformed", "huge")]["detail"]
-        table = await asyncio.to_thread(audit, devstack.kubeconfig)
+        table = await asyncio.to_thread(e2e.audit, devstack.kubeconfig)
         assert table.returncode == 1
         assert table.stdout.splitlines()[0].split() == ["KIND", "OBJECT", "RESERVATIONS", "DETAIL"]
         assert "vm-dup" in table.stdout
@@ -212,7 +195,7 @@ def test_the_audit_says_in_one_line_when_the_api_server_cannot_be_reached(
     broken.write_text(
         Path(devstack.kubeconfig).read_text().replace(devstack.apiserver, "https://127.0.0.1:1")
     )
-    proc = audit(str(broken))
+    proc = e2e.audit(str(broken))
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -221,6 +204,6 @@ def test_the_audit_says_in_one_line_when_the_api_server_cannot_be_reached(
 
 
 def test_the_audit_refuses_a_missing_kubeconfig(tmp_path: Path) -> None:
-    proc = audit(str(tmp_path / "nope"))
+    proc = e2e.audit(str(tmp_path / "nope"))
     assert proc.returncode == 2
     assert "no such file" in proc.stderr

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +15,7 @@ import pytest
 
 from tests import e2e
 from tests import factories as f
-from tests.conftest import REPO, DevStack
+from tests.conftest import DevStack
 from tests.hold_proxy import HoldProxy
 from tests.integration.test_engine_faults import Replicas, replicas, topics_for, wait_group
 
@@ -36,20 +34,6 @@ async def seed_two_slots(api: Any) -> None:
 
 
 SENTINEL = {"creationTimestamp": "2026-01-01T00:00:00Z", "resources": {"memory": "1Gi"}}
-
-
-def audit_without_grace(kubeconfig: str) -> subprocess.CompletedProcess[str]:
-    """``crs-consumer audit`` with no grace for a VM in two slots."""
-    env = {**os.environ, "KUBECONFIG": kubeconfig, "CRS_INVARIANT_GRACE_S": "0"}
-    return subprocess.run(
-        [sys.executable, "-m", "service", "audit", "--json"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 async def owner_of_the_partition(ports: dict[str, int], r: Replicas) -> str:
@@ -139,7 +123,7 @@ async def test_a_write_held_in_flight_across_a_takeover_cannot_land_a_second_all
         assert holding == ["slot-b"], f"the VM is in {holding}; the held PATCH answered {answer!r}"
         assert " 409 " in answer, answer
         # The invariant monitor agrees, in both its forms. The one-shot audit reads the API:
-        clean = await asyncio.to_thread(audit_without_grace, devstack.kubeconfig)
+        clean = await asyncio.to_thread(e2e.audit, devstack.kubeconfig, "--json", grace_s="0")
         assert clean.returncode == 0, (clean.stdout, clean.stderr)
         # The survivor's gauge, once it has had its chance: a VM planted in both slots after
         # the release shows, and it is the only one (its watches go through its proxy,
