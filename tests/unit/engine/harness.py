@@ -169,6 +169,14 @@ async def until(pred: Callable[[], bool], limit_s: float = 3.0) -> None:
         await asyncio.sleep(0.005)
 
 
+def engine_task(name: str) -> asyncio.Task[Any]:
+    """The engine's running task called ``name`` (EngineCore._spawn names them): a test
+    waits for it to end to know the work it does has had its chance, instead of sleeping."""
+    found = [t for t in asyncio.all_tasks() if t.get_name() == name and not t.done()]
+    assert len(found) == 1, f"{name}: {len(found)} running"
+    return found[0]
+
+
 def outputs(broker: FakeBroker) -> list[bytes]:
     return [r.value for r in broker.outputs if r.value is not None]
 

@@ -23,6 +23,7 @@ from tests.unit.engine.harness import (
     TP0,
     TP1,
     Harness,
+    engine_task,
     outputs,
     until,
 )
@@ -74,7 +75,8 @@ async def test_a_new_owner_skips_what_was_committed_above_the_watermark(
 
 
 async def test_a_fenced_owner_publishes_and_counts_nothing(broker: FakeBroker) -> None:
-    zombie = Harness(broker)
+    # A re-check 0.3 s after the fence: well after the revoke below, even on a busy loop.
+    zombie = Harness(broker, fence_recheck_s=0.3)
     gate = zombie.processor.gates[b"v0"] = asyncio.Event()
     broker.append(IN, 0, b"v", b"v0")
     await zombie.start(TP0)
@@ -89,9 +91,11 @@ async def test_a_fenced_owner_publishes_and_counts_nothing(broker: FakeBroker) -
     assert TP0 in zombie.consumer.paused()
     # Revoked before the re-check: it never re-initialises the id (that would fence
     # the rightful owner).
+    recheck = engine_task("reacquire-fenced-0")
     zombie.consumer._assigned = set()
     zombie.service._table.assigned.clear()
-    await asyncio.sleep(0.1)
+    await until(recheck.done)  # the re-check ran (fence_recheck_s later) and gave up
+    assert not recheck.cancelled()
     assert broker.epochs[transactional_id_for("g", TP0)] == successor.epoch
     zombie.service.request_stop()
     assert zombie.task is not None
@@ -211,10 +215,13 @@ async def test_a_slow_take_over_goes_on_after_the_assignment_callback_returns(
     # Revoked while a take-over is still under way: it is called off, its producer closed.
     broker.append(IN, 1, b"k", b"w")
     await h.consumer.assign([TP0, TP1])
+    taking_over = engine_task("acquire-1")
     await h.consumer.assign([TP0])
-    await asyncio.sleep(0.6)
+    await until(taking_over.done)  # called off (the InitProducerId takes 0.5 s)
+    assert taking_over.cancelled()
     assert TP1 not in h.service.partitions.owned
-    assert all(p.stopped for p in h.producers if p.txn_id and p.txn_id.endswith("-1"))
+    ones = [p for p in h.producers if p.txn_id and p.txn_id.endswith("-1")]
+    assert ones and all(p.stopped for p in ones)  # closed before the take-over ended
     await h.stop()
 
 
