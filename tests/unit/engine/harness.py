@@ -177,6 +177,14 @@ def engine_task(name: str) -> asyncio.Task[Any]:
     return found[0]
 
 
+async def loop_turns(h: Harness, n: int = 2) -> None:
+    """The fetch loop began ``n`` more turns: the one before the last ran whole (its
+    fetch or wait, the feeding and the lag update) after the caller's change."""
+    for _ in range(n):
+        seen = h.service.last_loop
+        await until(lambda: h.service.last_loop > seen)  # noqa: B023 (awaited at once)
+
+
 def outputs(broker: FakeBroker) -> list[bytes]:
     return [r.value for r in broker.outputs if r.value is not None]
 

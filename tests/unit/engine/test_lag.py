@@ -14,6 +14,7 @@ from tests.unit.engine.harness import (
     TP1,
     Harness,
     lag,
+    loop_turns,
     outputs,
     until,
 )
@@ -81,7 +82,7 @@ async def test_a_partition_not_fetched_is_not_shown_as_held_by_a_transaction(
     )
     del h.consumer.open_transaction_at[TP0]  # it commits; the partition is not fetched
     h.consumer.poll_age_s = 60.0  # the last fetch answer: a minute ago
-    await asyncio.sleep(0.2)
+    await loop_turns(h, 3)  # the gauge updated after the change
     assert h.metrics.registry.get_sample_value(
         "crs_input_stable_offset_stuck_seconds", {"topic": IN, "partition": "0"}
     ) in (None, 0.0)

@@ -221,7 +221,8 @@ async def test_a_slow_take_over_goes_on_after_the_assignment_callback_returns(
     assert taking_over.cancelled()
     assert TP1 not in h.service.partitions.owned
     ones = [p for p in h.producers if p.txn_id and p.txn_id.endswith("-1")]
-    assert ones and all(p.stopped for p in ones)  # closed before the take-over ended
+    assert ones
+    assert all(p.stopped for p in ones)  # closed before the take-over ended
     await h.stop()
 
 

@@ -20,6 +20,7 @@ from tests.unit.engine.harness import (
     TP0,
     Harness,
     lag,
+    loop_turns,
     outputs,
     until,
 )
@@ -59,7 +60,7 @@ async def test_backpressure_stops_asking_for_the_partition_without_pausing_it(
     await h.start(TP0)
     await until(lambda: h.service.partitions.owned[TP0].backpressured)
     asked = len(h.consumer.asked)
-    await asyncio.sleep(0.1)
+    await loop_turns(h, 3)  # the loop had turns to ask for it
     assert all(TP0 not in a for a in h.consumer.asked[asked:])
     assert TP0 not in h.consumer.paused()
     assert h.processor.max_running <= 4
