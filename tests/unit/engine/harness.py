@@ -79,8 +79,25 @@ class FakeProcessor:
         return Processor.stub(real, ref, key, value, code, reason, **kw)
 
 
+@dataclass
+class FakeClock:
+    """The engine's clock (commit pacing, lag), moved only by the test: frozen, a commit
+    interval never passes however busy the machine is."""
+
+    now: float = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class Harness:
-    def __init__(self, broker: FakeBroker, **settings: Any) -> None:
+    def __init__(
+        self,
+        broker: FakeBroker,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        **settings: Any,
+    ) -> None:
         self.broker = broker
         self.metrics = StreamMetrics()
         self.processor = FakeProcessor(self.metrics)
@@ -99,6 +116,7 @@ class Harness:
             StreamSettings(**(base | settings)),
             self.processor,  # type: ignore[arg-type]
             self.metrics,
+            clock=clock,
             consumer_factory=lambda **kw: FakeConsumer(broker, **kw),
             producer_factory=self._producer,
         )
@@ -157,6 +175,11 @@ class Harness:
         for part in list(self.service.partitions.owned.values()):
             for t in [*part.tasks, *([part.committer] if part.committer else [])]:
                 t.cancel()
+
+    def uncommitted(self, tp: TopicPartition = TP0) -> int:
+        """Records of ``tp`` decided and not yet committed (counting waits for the commit)."""
+        part = self.service.partitions.owned.get(tp)
+        return 0 if part is None else int(part.ledger.done_uncommitted)
 
     def counted(self) -> float:
         return self.metrics.events.labels("placement", "slot_used")._value.get()  # type: ignore[no-any-return]

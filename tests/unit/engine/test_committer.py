@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import time
 from typing import Any
 
 import pytest
@@ -21,6 +20,7 @@ from tests.unit.engine.harness import (
     IN,
     TP0,
     TP1,
+    FakeClock,
     Harness,
     outputs,
     slow_commits,
@@ -44,53 +44,91 @@ async def test_a_failed_commit_reprocesses_and_counts_each_event_once(broker: Fa
 
 
 async def test_commit_by_count_without_waiting_for_the_interval(broker: FakeBroker) -> None:
-    h = Harness(broker, commit_interval_ms=60_000, commit_burst=1, commit_max_records=3)
+    # On a frozen clock the 60 s interval never passes: only the count commits.
+    h = Harness(
+        broker,
+        clock=FakeClock(),
+        fetch_linger_ms=0,  # the fetch pacing runs on the engine's clock too
+        commit_interval_ms=60_000,
+        commit_burst=1,
+        commit_max_records=3,
+    )
     for i in range(3):
         broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
     await h.start(TP0)
     await until(lambda: len(outputs(broker)) == 3, limit_s=2)
+    commits = broker.commits
     broker.append(IN, 0, b"k9", b"v9")
-    await asyncio.sleep(0.3)
+    await until(lambda: h.uncommitted() == 1)  # decided, the committer woken
     assert len(outputs(broker)) == 3  # one waiting record: the interval applies
+    # Two more make the count: one commit of all three, so v9 was not committed alone.
+    broker.append(IN, 0, b"k10", b"v10")
+    broker.append(IN, 0, b"k11", b"v11")
+    await until(lambda: len(outputs(broker)) == 6, limit_s=2)
+    assert broker.commits == commits + 1
+    broker.append(IN, 0, b"k12", b"v12")
+    await until(lambda: h.uncommitted() == 1)
+    assert len(outputs(broker)) == 6
     await h.stop()  # stopping commits what is decided
-    assert len(outputs(broker)) == 4
+    assert len(outputs(broker)) == 7
 
 
 async def test_commit_by_time_at_most_once_per_interval(broker: FakeBroker) -> None:
-    # A 1 s interval: the margins below must outlast a busy machine's loop stalls.
-    h = Harness(broker, commit_interval_ms=1000, commit_burst=1, commit_max_records=1000)
+    # The engine's clock is the test's: the interval passes when the test says so.
+    clock = FakeClock()
+    h = Harness(
+        broker,
+        clock=clock,
+        fetch_linger_ms=0,  # the fetch pacing runs on the engine's clock too
+        commit_interval_ms=1000,
+        commit_burst=1,
+        commit_max_records=1000,
+    )
     broker.append(IN, 0, b"k", b"v")
     await h.start(TP0)
-    started = time.monotonic()
+    # Quiet partition: committed at once (the clock has not moved, so no token was
+    # earned: the commit spent the saved one).
     await until(lambda: len(outputs(broker)) == 1, limit_s=2)
-    assert time.monotonic() - started < 0.8  # quiet partition: committed at once
     commits = broker.commits
     broker.append(IN, 0, b"j", b"w")
-    await asyncio.sleep(0.1)
-    assert broker.commits == commits  # within the interval: it waits for the next commit
-    await until(lambda: len(outputs(broker)) == 2, limit_s=3)
-    assert time.monotonic() - started >= 0.95
+    await until(lambda: h.uncommitted() == 1)
+    clock.now += 0.5  # within the interval: it waits for the next commit
+    broker.append(IN, 0, b"i", b"x")  # a decision wakes the committer at 0.5 s
+    await until(lambda: h.uncommitted() == 2)
+    assert broker.commits == commits
+    clock.now += 0.5  # the interval has passed
+    broker.append(IN, 0, b"h", b"y")
+    await until(lambda: len(outputs(broker)) == 4, limit_s=3)
+    assert broker.commits == commits + 1  # w, x and y in the one commit: none at 0.5 s
     await h.stop()
 
 
 async def test_a_quiet_partition_commits_a_burst_at_once_then_is_paced(
     broker: FakeBroker,
 ) -> None:
-    # A 1 s interval: the margins below must outlast a busy machine's loop stalls.
-    h = Harness(broker, commit_interval_ms=1000, commit_burst=3, commit_max_records=1000)
+    # On a frozen clock no token is earned: the first three commits spend the saved ones.
+    clock = FakeClock()
+    h = Harness(
+        broker,
+        clock=clock,
+        fetch_linger_ms=0,  # the fetch pacing runs on the engine's clock too
+        commit_interval_ms=1000,
+        commit_burst=3,
+        commit_max_records=1000,
+    )
     await h.start(TP0)
-    started = time.monotonic()
     for i in range(3):  # one by one, each after the previous one's commit
         broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
         await until(lambda n=i + 1: len(outputs(broker)) == n, limit_s=2)  # type: ignore[misc]
-    assert time.monotonic() - started < 0.8  # three saved commits: none waited
     commits = broker.commits
     broker.append(IN, 0, b"k3", b"v3")
     broker.append(IN, 0, b"k4", b"v4")
-    await asyncio.sleep(0.1)
+    await until(lambda: h.uncommitted() == 2)  # decided, the committer woken
     assert broker.commits == commits  # the bucket is empty: paced by the interval
-    await until(lambda: len(outputs(broker)) == 5, limit_s=2)
-    assert broker.commits == commits + 1  # both in the one paced commit
+    clock.now += 1.0
+    broker.append(IN, 0, b"k5", b"v5")
+    await until(lambda: len(outputs(broker)) == 6, limit_s=2)
+    assert broker.commits == commits + 1  # all three in the one paced commit
     await h.stop()
 
 
@@ -217,7 +255,7 @@ async def test_a_commit_cut_short_by_a_revoke_is_counted_when_the_partition_come
     await until(lambda: outputs(broker) == [b"a0", b"b0"])
     broker.commit_delay_s = broker.init_delay_s = 0.0
     await until(lambda: TP0 in h.service.partitions.owned)
-    await until(lambda: h.counted() == 2)
+    await until(lambda: h.uncommitted() == 1)
     await h.stop()
     assert h.processor.calls == [(0, 0), (0, 1)]  # not redone
 
