@@ -255,7 +255,7 @@ async def test_a_commit_cut_short_by_a_revoke_is_counted_when_the_partition_come
     await until(lambda: outputs(broker) == [b"a0", b"b0"])
     broker.commit_delay_s = broker.init_delay_s = 0.0
     await until(lambda: TP0 in h.service.partitions.owned)
-    await until(lambda: h.uncommitted() == 1)
+    await until(lambda: h.counted() == 2)
     await h.stop()
     assert h.processor.calls == [(0, 0), (0, 1)]  # not redone
 
