@@ -20,7 +20,7 @@ their counts.
   the engine that did not count those failed this test in 2 of 6 runs, 114 and 148
   events uncounted.)
 
-The unit tests in ``tests/unit/test_engine.py`` (a commit cut short is never committed
+The unit tests in ``tests/unit/engine/`` (a commit cut short is never committed
 again; close() leaves the group after its commit is cut short; a commit that timed out
 but landed is counted on take-over) cover the same paths with a fake consumer; these are
 their end-to-end counterparts.

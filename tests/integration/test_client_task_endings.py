@@ -4,7 +4,7 @@ aiokafka starts neither its fetch task nor its client's metadata refresh again o
 error it does not expect has ended them. The fetch task's end raises nothing:
 ``getmany()`` returns no record, for good, while every probe looks well. The service
 watches both (``_background_ended``), commits the work in hand and restarts its Kafka
-clients in the same process. ``tests/unit/test_engine.py`` covers the bookkeeping on the
+clients in the same process. ``tests/unit/engine/`` covers the bookkeeping on the
 fake consumer; this module covers it with aiokafka's own classes, the real broker and
 the service as its own process, so that a change in what aiokafka does when those tasks
 end (or in where it keeps them) fails here.

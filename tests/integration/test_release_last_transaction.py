@@ -17,7 +17,7 @@ while the first record is undecided and decides it during the release's last com
 What this does not reach: the engine also ends the partition with its last commit
 (``_last_commit``), so that a committer woken by such a decision cannot begin another
 transaction once the commit's lock is free.
-``tests/unit/test_engine.py::test_no_transaction_begins_after_a_releases_last_commit``
+``tests/unit/engine/test_release.py::test_no_transaction_begins_after_a_releases_last_commit``
 fails without that; this test passes without it too, most likely because the release
 drops the partition before anything of the woken committer's transaction reaches the
 broker (aiokafka begins a transaction locally; checked with the line removed, three

@@ -1,7 +1,7 @@
 """What service.stream.aiokafka_internals assumes about aiokafka's private parts, pinned
 against the installed aiokafka: an upgrade that moves one fails the test named after it.
 
-The engine's behaviour on top of these runs against a fake client in test_engine.py and
+The engine's behaviour on top of these runs against a fake client in tests/unit/engine/ and
 against the real broker in tests/integration; the unreadable-record iterator on aiokafka's
 real record parser in test_unreadable.py.
 """

@@ -423,7 +423,7 @@ def test_poison(name: str, structured: bytes) -> None:
 
 
 def test_every_poison_code_is_exercised() -> None:
-    # unreadable is never decoded (tests/unit/test_unreadable.py, test_engine.py).
+    # unreadable is never decoded (tests/unit/test_unreadable.py, tests/unit/engine/).
     others = {"oversized", "unreadable"}
     assert {case.code for case in CASES.values()} | others == set(POISON_CODES)
 
