@@ -76,13 +76,7 @@ class Snapshot:
 
 
 class ClusterState(Protocol):
-    """Reads and the one write the Recorder performs.
-
-    ``from_cache``: whether snapshots come from a cache that may lag the API server (a
-    watch cache), rather than from reads made for the request.
-    """
-
-    from_cache: bool
+    """Reads and the writes the Recorder performs."""
 
     async def snapshot(self, hosts: Collection[str], project_id: str) -> Snapshot:
         """Read everything a request on ``hosts`` for ``project_id`` needs, at once.

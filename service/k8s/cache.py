@@ -98,8 +98,6 @@ class WatchClusterState(ClusterState):
     through ``client``.
     """
 
-    from_cache = True
-
     def __init__(
         self,
         client: KubeClient,

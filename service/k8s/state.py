@@ -24,8 +24,6 @@ __all__ = ["ListClusterState"]
 class ListClusterState(ClusterState):
     """Per-request API reads through a :class:`KubeClient`."""
 
-    from_cache = False
-
     def __init__(self, client: KubeClient, *, page_size: int = 500) -> None:
         self._client = client
         self._page_size = page_size

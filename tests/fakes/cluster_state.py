@@ -67,8 +67,6 @@ class InMemoryClusterState(ClusterState):
     ``resource_version`` is the cluster's latest (what a LIST would report).
     """
 
-    from_cache = False  # every read is of the current state
-
     def __init__(self) -> None:
         self._objects: dict[tuple[str, str], dict[str, Any]] = {}
         self._revision = itertools.count(1)
