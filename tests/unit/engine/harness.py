@@ -235,6 +235,15 @@ async def slow_commits(broker: FakeBroker, backoff_s: float) -> tuple[Harness, A
     return h, part
 
 
+def straggler(h: Harness, key: bytes = b"s", value: bytes = b"slow") -> asyncio.Event:
+    """Append one record to partition 0 that stays undecided until the returned gate is
+    set (a PATCH in flight): the partition is under load, so its commits are paced (a
+    partition with nothing else in progress commits at once, token or not)."""
+    gate = h.processor.gates[value] = asyncio.Event()
+    h.broker.append(IN, 0, key, value)
+    return gate
+
+
 def lag(h: Harness) -> float:
     """crs_consumer_lag of partition 0 of the input."""
     return h.metrics.lag.labels(IN, "0")._value.get()  # type: ignore[no-any-return]
