@@ -1,77 +1,96 @@
-"""Issue 11, benchmark 1: end-to-end latency at fixed publish rates.
+"""Issue 37's performance gate: publish-to-committed latency of the service beside a raw
+exactly-once loop and the write-first bound, at fixed publish rates.
 
-Run: ``.venv/bin/python bench/bench_latency.py [--rates 20,100,200,400] [--seconds 30]
-[--warmup 3] [--partitions 4] [--bound] [--quick]``
+Run: ``.venv/bin/python bench/bench_latency.py [--seconds 60] [--repetitions 3]
+[--out FILE] [--agree-with FILE]`` (dev stack; about 45 min with the defaults;
+``--quick``: 15 s per run, one repetition, no verdict on the goals).
 
-Measured: for each rate, the time from publishing an input record until its output is
-seen by a ``read_committed`` reader (so: committed), p50/p95/p99, for
+Measured, per event: the time from publishing an input record until a ``read_committed``
+reader receives its output (so: committed), for three consumers of identical topics:
 
-* the service (``python -m service run``, its own process, defaults: watch mode,
-  exactly-once, batch 500), on a stream of which half are ``slot_used`` placements (one
-  guarded PATCH each, project ``p-bench`` on one of ``--hosts`` hosts) and half
-  no-host-found outcomes (decided from the watch cache);
-* the raw aiokafka EOS pass-through loop (``bench/raw_eos.py``, its own process) on the
-  same kind of stream: what Kafka alone costs;
-* with ``--bound``, also the write-first bound (``raw_eos.py --kubeconfig``): the raw loop
-  plus one unguarded PATCH per placement, in flight during the batch's Kafka requests and
-  awaited before its commit: an estimate of the best a placement can do in an engine
-  that commits an output only once the write is decided (see raw_eos.py). Where its
-  placements miss raw's p99 too, the write alone misses the goal.
+* **raw**: ``bench/raw_eos.py``, an aiokafka exactly-once pass-through loop (consume,
+  produce, commit in one transaction per fetched batch): what Kafka alone costs;
+* **bound**: the same loop plus, for every placement, one resourceVersion-guarded merge
+  PATCH of the allocation before the transaction commits (``raw_eos.py --kubeconfig``:
+  concurrent across slots, one at a time per slot, the resourceVersion kept from each
+  answer): what any engine that writes before it publishes pays;
+* **service**: ``python -m service run`` with its defaults, as a user runs it.
 
-Why it is fair: same broker, fresh topics (``--partitions`` input partitions, as many
-output partitions) and a fresh group for every run; both processes are started and have
-joined their group (the service's watch cache synced: ``/readyz``) before the first
-record is published; the same publisher (paced sends, acks=all) and the same reader
-(fetch wait 50 ms) measure both. Each run first publishes ``--warmup`` seconds of the
-same stream that are processed and checked but not timed (the first transactions on
-fresh topics stall now and then, in either loop). Raw and service alternate per rate.
-The placements' Reservations have their allocations cleared before each service run.
+Workload: at 20, 100 and 200 events/s half the events are ``slot_used`` placements (an
+m2.small, 4 GiB, of project p-bench), half no-host-found outcomes (a project with an
+active commitment; every input host queried); at 200 events/s a fourth stream has no
+placement (raw and service only: the bound is raw there). Each run publishes
+``--warmup`` seconds first, one record per input partition in turn, and waits until every
+one of them came out: the consumer then owns all its partitions and has made a
+transaction on each (the first transactions of a fresh topic stall now and then). Then
+``--seconds`` seconds are published at the rate and timed.
 
-Also reported, per run and per rate: the cores each process used from the first publish
-until the last output was seen (``/proc``; on this 2-core machine a sum near 2 means the
-latencies include waiting for a CPU), and for the service its PATCHes as its own
-``/metrics`` timed them (mean, and the histogram bucket holding their p99). The service's
-runs carry the API server's work for the placements, which the raw loop does not: these
-columns say how much of a placement's latency is the write and the machine.
+Why it is fair: one broker, fresh topics (``--partitions``) and a fresh group per run,
+the same publisher (paced, acks=all) and reader for all three; the streams of one rate
+and repetition are the same records but for the host names. The bound and the service
+each write into their own cluster part (``--hosts`` hosts ``lat-<mode>-NNNN``, 8 slots of
+16 GiB per host, each seeded with one 4 GiB VM: 4 VMs per slot when full), reset to its
+seed before every run, so neither pays for the objects the other grew; placements go
+round-robin over the part's hosts in a shuffled order, so a host's placements fill its
+slots one after the other as ``pick_slot`` chooses them. The modes alternate within a
+rate and their order rotates with each repetition. The rest of the benchmark cluster
+(``--hypervisors`` hosts of ``_common.Cluster``) is what the no-host-found outcomes query
+and what the service's watch cache holds besides the parts.
 
-Fails (exit 1) when the workload did not happen: the rate not reached by the publisher,
-an output missing after the drain timeout (shown as an infinite latency, the
-other rates are still measured), one output too many, or for the service a placement
-that was not written or fewer PATCHes answered 2xx than placements, for the bound a
-placement's VM missing from its slot afterwards.
+Checked before any figure is printed (exit 2, WORKLOAD FAILED, when not): the publisher
+reached the rate; exactly one output per input; for the bound and the service every
+placement's VM is in exactly one slot of its target host in the part afterwards (the
+bound's with its own body), no other VM was added, and the service's outputs say
+``written`` for every placement; the service's no-host-found outputs are no-host-found
+classifications.
+
+Figures: p50 and p99 per mode and rate, pooled over the repetitions, with the spread of
+the per-repetition values; CPU seconds of the consuming process per event (``/proc``,
+from the first timed publish until the last output was seen). Goals (exit 1 when one is
+MISSED): at every rate with placements, service p99 <= 1.1 x bound p99 and service p50
+<= bound p50; without placements, service p99 <= raw p99 and service CPU per event <=
+1.3 x raw. ``--out`` writes the figures as JSON; ``--agree-with`` an earlier run's file
+also requires every figure of this run to be within 20 % of that run's (exit 1, DISAGREE).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import math
 import random
+import statistics
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
+import bench_cpu
 import msgspec
 from _common import (
+    PLACEMENT_PROJECT,
     Cluster,
     OutputReader,
     Record,
-    RequestStats,
     WorkloadError,
     cores_between,
     cpu_by_role,
+    cpu_seconds,
     create_topics,
     delete_topics,
     env_endpoints,
     free_port,
-    http_text,
+    host,
     load,
     no_host_found,
+    outcome_record,
     pct,
     publish_paced,
     raw_eos_args,
-    request_stats,
     service_config,
-    slot_used,
     spawn,
     spawn_service,
     stop_process,
@@ -81,91 +100,224 @@ from _common import (
 )
 from _verdict import check_workload, finish, goals
 
-GOAL_UP_TO = 200.0
+from crs_demo import scenario
+
+MODES = ("raw", "bound", "service")
+SLOTS_PER_HOST = 8
+SLOT_GIB = 16
+VM_GIB = 4  # m2.small
+# Each slot is seeded with one VM, so it takes three placements before it is full.
+ROOM_PER_SLOT = SLOT_GIB // VM_GIB - 1
+PART_LABEL = "crs-bench-part"
+SEED_TS = "2026-12-01T00:00:00Z"
+# Goals (issue 37).
+P99_VS_BOUND = 1.1
+P50_VS_BOUND = 1.0
+P99_VS_RAW = 1.0
+CPU_VS_RAW = 1.3
+AGREE = 1.2  # two runs agree when each figure's larger reading is at most 1.2x the other
+
+
+# --------------------------------------------------------------------------- cluster parts
+
+
+def part_host(mode: str, i: int) -> str:
+    return f"lat-{mode}-{i:04d}"
+
+
+def seed_vm(slot: str) -> str:
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"crs-bench/{slot}"))
+
+
+def seed_allocations(slot: str) -> dict[str, Any]:
+    return {
+        seed_vm(slot): {
+            "creationTimestamp": SEED_TS,
+            "resources": {"memory": f"{VM_GIB}Gi", "cpu": "2"},
+        }
+    }
+
+
+def part_objects(mode: str, i: int) -> list[dict[str, Any]]:
+    """Hypervisor ``lat-<mode>-i`` and its 8 slots of project p-bench (with status)."""
+    name = part_host(mode, i)
+    objs = [scenario.hypervisor(name, 1024, 128, None)]
+    for j in range(SLOTS_PER_HOST):
+        slot = f"{name}-{j}"
+        objs.append(
+            scenario.reservation(slot, name, PLACEMENT_PROJECT, "gp_v2", SLOT_GIB, {}, True)
+        )
+        objs[-1]["spec"]["committedResourceReservation"]["allocations"] = seed_allocations(slot)
+    for obj in objs:
+        obj["metadata"]["labels"].update({"crs-bench": "true", PART_LABEL: mode})
+    return objs
+
+
+async def list_part(cluster: Cluster, mode: str) -> list[dict[str, Any]]:
+    url = cluster.url("reservations") + f"?labelSelector={PART_LABEL}%3D{mode}"
+    status, body = await cluster.call("GET", url)
+    check_workload(status == 200, f"listing part {mode}: {status}")
+    return list(json.loads(body)["items"])
+
+
+def allocations_of(obj: dict[str, Any]) -> dict[str, Any]:
+    return (obj["spec"].get("committedResourceReservation") or {}).get("allocations") or {}
+
+
+async def ensure_part(cluster: Cluster, mode: str, hosts: int) -> str:
+    """Create whatever of the part of ``hosts`` hosts is missing (idempotent)."""
+    have = {o["metadata"]["name"] for o in await list_part(cluster, mode)}
+    objs = [o for i in range(hosts) for o in part_objects(mode, i)]
+    missing = [o for o in objs if o["kind"] != "Reservation" or o["metadata"]["name"] not in have]
+    if len(missing) <= hosts:  # only the hypervisors, which exist (POST answers 409)
+        return f"part {mode}: {len(have)} slots already there"
+    t = time.monotonic()
+    await asyncio.gather(*(cluster._create(o) for o in missing))
+    await asyncio.gather(*(cluster._status(o) for o in missing if "status" in o))
+    return f"part {mode}: created {len(missing)} objects in {time.monotonic() - t:.1f} s"
+
+
+async def reset_part(cluster: Cluster, mode: str) -> int:
+    """Put every slot of the part back to its seed (one VM); returns the slots reset."""
+    changed = [
+        o["metadata"]["name"]
+        for o in await list_part(cluster, mode)
+        if set(allocations_of(o)) != {seed_vm(o["metadata"]["name"])}
+    ]
+
+    async def reset(name: str) -> int:
+        ops = [
+            {
+                "op": "replace",
+                "path": "/spec/committedResourceReservation/allocations",
+                "value": seed_allocations(name),
+            }
+        ]
+        url = cluster.url("reservations", name)
+        status, _ = await cluster.call("PATCH", url, ops, "application/json-patch+json")
+        return status
+
+    statuses = await asyncio.gather(*(reset(n) for n in changed))
+    bad = [s for s in statuses if s != 200]
+    check_workload(not bad, f"resetting part {mode}: {len(bad)} PATCHes not answered 200")
+    return len(changed)
+
+
+async def check_part(
+    cluster: Cluster, mode: str, placed: dict[str, str], body: dict[str, Any] | None
+) -> None:
+    """Every placed VM (VM -> target host) is in exactly one slot of its host in the part,
+    with ``body`` when given, and nothing else was added to the part."""
+    where: dict[str, list[str]] = {}
+    wrong_body = 0
+    for obj in await list_part(cluster, mode):
+        name = obj["metadata"]["name"]
+        for vm, allocation in allocations_of(obj).items():
+            if vm == seed_vm(name):
+                continue
+            where.setdefault(vm, []).append(obj["spec"]["targetHost"])
+            wrong_body += body is not None and allocation != body
+    missing = sum(vm not in where for vm in placed)
+    elsewhere = sum(where.get(vm, [placed[vm]]) != [placed[vm]] for vm in placed)
+    extra = len(set(where) - set(placed))
+    check_workload(
+        not (missing or elsewhere or extra or wrong_body),
+        f"{mode}: of {len(placed)} placements {missing} not in the part, {elsewhere} not in "
+        f"exactly one slot of their host, {wrong_body} with another body; {extra} VMs added "
+        f"that were not placed",
+    )
+
+
+# --------------------------------------------------------------------------- streams
+
+
+@dataclass
+class Stream:
+    warm: list[Record]
+    timed: list[Record]
+    placed: dict[str, str]  # VM -> target host, warm-up and timed
+
+
+def make_stream(
+    args: argparse.Namespace, mode: str, rate: float, placements: bool, rep: int
+) -> Stream:
+    """The records of one run; the same for every mode but for the part's host names."""
+    rng = random.Random(args.seed * 100_000 + int(rate) * 100 + rep * 10 + placements)
+    part = "service" if mode == "raw" else mode  # raw writes nothing: any names do
+    order = list(range(args.hosts))
+    rng.shuffle(order)
+    n_warm = math.ceil(rate * args.warmup / args.partitions) * args.partitions
+    n = n_warm + int(rate * args.seconds)
+    placed: dict[str, str] = {}
+    records: list[Record] = []
+    for i in range(n):
+        partition = i % args.partitions if i < n_warm else None
+        if placements and i % 2 == 0:
+            target = part_host(part, order[(i // 2) % args.hosts])
+            others = [host(k) for k in rng.sample(range(args.hypervisors), 2)]
+            rec = outcome_record(
+                rng,
+                project_id=PLACEMENT_PROJECT,
+                hosts=[target, *others],
+                target=target,
+                partition=partition,
+            )
+            assert rec[0] is not None
+            placed[rec[0].decode()] = target
+        else:
+            key, value, headers, _ = no_host_found(rng, args.hypervisors)
+            rec = (key, value, headers, partition)
+        records.append(rec)
+    per_host = math.ceil(len(placed) / args.hosts)
+    check_workload(
+        per_host <= ROOM_PER_SLOT * SLOTS_PER_HOST,
+        f"{len(placed)} placements need {per_host} per host, a part host takes "
+        f"{ROOM_PER_SLOT * SLOTS_PER_HOST}: raise --hosts",
+    )
+    return Stream(records[:n_warm], records[n_warm:], placed)
+
+
+# --------------------------------------------------------------------------- one run
 
 
 @dataclass
 class Run:
-    """One run's latencies (s; inf: never seen) and what the machine did meanwhile."""
-
-    lat: list[float]
-    # Average cores per role from the first publish until the last output was seen: on
-    # two cores, a total near 2 means the latencies include waiting for a CPU.
+    lat: list[float]  # s, per timed record, in publish order
+    kinds: list[bool]  # True: a placement
+    cpu_per_event: float  # s of the consuming process
     cores: dict[str, float] = field(default_factory=dict)
-    # The service's guarded PATCHes (its /metrics): how much of a placement's latency the
-    # API server alone took.
-    patch: RequestStats | None = None
 
-
-def format_cores(cores: dict[str, float]) -> str:
-    busy = " ".join(f"{k} {v:.2f}" for k, v in sorted(cores.items(), key=lambda kv: -kv[1]))
-    return f"{busy} (sum {sum(cores.values()):.2f})"
-
-
-def latencies(runs: list[Run]) -> list[float]:
-    return [x for run in runs for x in run.lat]
-
-
-def mean_cores(runs: list[Run]) -> dict[str, float]:
-    roles = {k for run in runs for k in run.cores}
-    return {k: sum(run.cores.get(k, 0.0) for run in runs) / max(len(runs), 1) for k in roles}
-
-
-def stream(rng: random.Random, n: int, hosts: int, n_hv: int) -> tuple[list[Record], int]:
-    """n records alternating slot_used placement / no-host-found; returns (records, placements)."""
-    records = [
-        slot_used(rng, rng.randrange(hosts), n_hv) if i % 2 == 0 else no_host_found(rng, n_hv)
-        for i in range(n)
-    ]
-    return records, (n + 1) // 2
-
-
-async def check_bound_writes(kubeconfig: str, records: list[Record]) -> None:
-    """Every placement's VM is in its slot with the bound's own allocation (the bound
-    wrote what it is timed for; the service writes another body)."""
-    from raw_eos import ALLOCATION, target_slot
-
-    wanted: dict[str, set[str]] = {}
-    for key, value, _, _ in records:
-        slot = target_slot(value)
-        if slot is not None and key is not None:
-            wanted.setdefault(slot, set()).add(key.decode())
-    missing = 0
-    async with Cluster.connect(kubeconfig) as cluster:
-        for slot, vms in wanted.items():
-            allocations = await cluster.allocations(slot)
-            missing += sum(allocations.get(vm) != ALLOCATION for vm in vms)
-    if missing or not wanted:
-        raise WorkloadError(f"bound: {missing} placements not in their slot ({len(wanted)} slots)")
+    def of(self, placement: bool | None) -> list[float]:
+        if placement is None:
+            return self.lat
+        return [x for x, k in zip(self.lat, self.kinds, strict=True) if k == placement]
 
 
 async def one_run(
-    who: str,
+    mode: str,
     rate: float,
+    placements: bool,
+    rep: int,
     args: argparse.Namespace,
     bootstrap: str,
     kubeconfig: str,
-    rep: int,
-    failures: list[str],
+    cluster: Cluster,
 ) -> Run:
-    """Latencies (s) of every record of one run (inf: never seen; then the problem is
-    added to ``failures``); raises WorkloadError when the run cannot be measured."""
-    topics = {k: topic_name(f"lat-{who}-{k}") for k in ("input", "output", "dlq")}
+    stream = make_stream(args, mode, rate, placements, rep)
+    tag = f"lat-{mode}-{int(rate)}{'' if placements else 'n'}"
+    topics = {k: topic_name(f"{tag}-{k}") for k in ("input", "output", "dlq")}
     await create_topics(
         bootstrap, {t: 1 if k == "dlq" else args.partitions for k, t in topics.items()}
     )
-    log = f"/tmp/crs-bench-latency-{who}-{int(rate)}-{rep}.log"
-    rng = random.Random(args.seed * 1000 + int(rate) * 10 + rep)
-    warm = 2 * round(rate * args.warmup / 2)  # even: the records alternate by kind
-    n = warm + int(rate * args.seconds)
-    records, placements = stream(rng, n, args.hosts, args.hypervisors)
+    log = f"/tmp/crs-bench-{tag}-{rep}.log"
+    Path(log).unlink(missing_ok=True)
     reader = OutputReader(bootstrap, topics["output"], args.partitions)
     proc = None
+    port = 0
     try:
-        if who != "raw":
-            async with Cluster.connect(kubeconfig) as cluster:
-                await cluster.clear_allocations(f"res-{h:05d}-0" for h in range(args.hosts))
-        if who == "service":
+        if mode != "raw":
+            await reset_part(cluster, mode)
+        if mode == "service":
             port = free_port()
             cfg = service_config(bootstrap, kubeconfig, topics, "lat", CRS_HTTP_PORT=str(port))
             group = cfg.group_id
@@ -173,71 +325,72 @@ async def one_run(
             await wait_http_ok(f"http://127.0.0.1:{port}/readyz", 120, proc)
         else:
             group = f"g-raw-{uuid.uuid4().hex[:8]}"
-            raw_args = raw_eos_args(bootstrap, topics["input"], topics["output"], group)
-            if who == "bound":
-                raw_args += ["--kubeconfig", kubeconfig]
-            proc = spawn(raw_args, None, log)
+            cmd = raw_eos_args(bootstrap, topics["input"], topics["output"], group)
+            if mode == "bound":
+                cmd += ["--kubeconfig", kubeconfig, "--part", f"{PART_LABEL}%3Dbound"]
+            proc = spawn(cmd, None, log)
         await wait_group_stable(bootstrap, group, 1, 60)
         await reader.start()
-        cpu0, t0 = cpu_by_role(), time.monotonic()
-        sent = await publish_paced(bootstrap, topics["input"], records, rate)
-        # The warm-up's records are processed and checked like the others but not timed:
-        # a run's first transactions on its fresh topics stall now and then (one raw run
-        # had a 281 ms p99 from them), in either loop, which would decide a p99.
-        timed = list(sent.items())[warm:]
-        drained = await reader.wait_for(sent, timeout_s=max(120.0, 6 * args.seconds))
-        cores = cores_between(cpu0, cpu_by_role(), time.monotonic() - t0)
-        await asyncio.sleep(0.5)  # anything beyond one output per input shows up too
-        if proc.poll() is not None:
-            raise WorkloadError(f"{who} exited with {proc.returncode} (log {log})")
+        # Warm-up: every partition's first transactions, untimed; the run starts once
+        # each partition has committed an output.
+        warm = await publish_paced(bootstrap, topics["input"], stream.warm, rate)
+        if not await reader.wait_for(warm, 120):
+            raise WorkloadError(f"{mode} at {rate:g}/s: warm-up outputs missing (log {log})")
+        cpu0, role0, t0 = cpu_seconds(proc.pid), cpu_by_role(), time.monotonic()
+        sent = await publish_paced(bootstrap, topics["input"], stream.timed, rate)
+        drained = await reader.wait_for(sent, max(120.0, 4 * args.seconds))
+        cpu1, role1, t1 = cpu_seconds(proc.pid), cpu_by_role(), time.monotonic()
+        await asyncio.sleep(0.5)  # one output too many shows up too
+        check_workload(proc.poll() is None, f"{mode} exited with {proc.returncode} (log {log})")
         missing = len(set(sent) - set(reader.seen))
-        if not drained or missing:
-            # Shown as an infinite latency in the table, then the run fails.
-            drain = max(120.0, 6 * args.seconds)
-            failures.append(
-                f"{who} at {rate:g}/s: {missing} of {len(sent)} outputs missing "
-                f"{drain:.0f} s after the last publish"
-            )
-            return Run([reader.seen.get(k, float("inf")) - t for k, t in timed], cores)
-        if reader.count != len(sent):
-            raise WorkloadError(f"{who}: {reader.count} outputs for {len(sent)} inputs")
-        patch = None
-        if who == "bound":
-            await check_bound_writes(kubeconfig, records)
-        if who == "service":
+        check_workload(
+            drained and not missing,
+            f"{mode} at {rate:g}/s: {missing} of {len(sent)} outputs missing (log {log})",
+        )
+        total = len(stream.warm) + len(stream.timed)
+        check_workload(reader.count == total, f"{mode}: {reader.count} outputs for {total} inputs")
+        if mode == "bound":
+            from raw_eos import ALLOCATION
+
+            await check_part(cluster, mode, stream.placed, ALLOCATION)
+        if mode == "service":
+            await check_part(cluster, mode, stream.placed, None)
             datas = [msgspec.json.decode(v)["data"] for v in reader.values]
             written = sum(
-                d["cr_slot"] == "slot_used" and d["allocation"] == "written" for d in datas
+                d["kind"] == "placement"
+                and d["cr_slot"] == "slot_used"
+                and d["allocation"] == "written"
+                for d in datas
             )
-            if written != placements:
-                raise WorkloadError(f"{written} allocations written for {placements} placements")
-            patch = request_stats(await http_text(f"http://127.0.0.1:{port}/metrics"), "patch")
-            if patch.ok < placements:
-                raise WorkloadError(f"{patch.ok} PATCHes answered 2xx for {placements} placements")
-        lat = [reader.seen[k] - t for k, t in timed]
-        # Records alternate placement / no-host-found (see stream): the tail by kind says
-        # whether the Kubernetes write or the engine makes it.
-        extra = ""
-        if patch is not None:
-            extra = (
-                f"; PATCH mean {patch.mean_s * 1e3:.1f} ms, p99 <= {patch.p99_le_s * 1e3:.0f} ms"
+            check_workload(
+                written == len(stream.placed),
+                f"service: {written} allocations written for {len(stream.placed)} placements",
             )
+            # The no-host-found outcomes: an active CR, so every input host was queried.
+            worst = {("no_host_found", "slot_exhausted"), ("no_host_found", "slot_blocked")}
+            kinds = {(d["kind"], d["cr_slot"]) for d in datas if d["kind"] != "placement"}
+            check_workload(kinds <= worst, f"service classified the outcomes as {kinds}")
+        kinds = [k.decode() in stream.placed for k in sent]
+        lat = [reader.seen[k] - t for k, t in sent.items()]
+        run = Run(lat, kinds, (cpu1 - cpu0) / len(sent), cores_between(role0, role1, t1 - t0))
         print(
-            f"    {who} {rate:g}/s p99 placements {pct(lat[0::2], 0.99) * 1e3:.1f} ms, "
-            f"no-host-found {pct(lat[1::2], 0.99) * 1e3:.1f} ms{extra}; "
-            f"cores {format_cores(cores)}",
+            f"    {mode:7s} {rate:4g}/s{'' if placements else ' none'} rep {rep}: "
+            f"p50 {pct(lat, 0.5) * 1e3:6.1f} p99 {pct(lat, 0.99) * 1e3:7.1f} ms "
+            f"(placements p99 {pct(run.of(True) or [math.nan], 0.99) * 1e3:7.1f}) "
+            f"cpu {run.cpu_per_event * 1e6:5.0f} us/event  [{load()}]",
             flush=True,
         )
-        # When in the run the tail came: one stall, or spread over the run.
-        first = timed[0][1]
-        slowest = sorted(range(len(lat)), key=lat.__getitem__)[-5:][::-1]
+        # When in the run the tail came (one stall, or spread over the run), and of what.
+        first = min(sent.values())
+        slowest = sorted(range(len(lat)), key=lat.__getitem__)[-args.show_slowest :][::-1]
         shown = ", ".join(
-            f"{lat[i] * 1e3:.0f} ms at {timed[i][1] - first:.1f} s "
-            f"({'placement' if i % 2 == 0 else 'no-host-found'})"
+            f"{lat[i] * 1e3:.0f} ms at {list(sent.values())[i] - first:.1f} s "
+            f"({'placement' if kinds[i] else 'no-host-found'})"
             for i in slowest
         )
-        print(f"      slowest: {shown}", flush=True)
-        return Run(lat, cores, patch)
+        if shown:
+            print(f"      slowest: {shown}", flush=True)
+        return run
     finally:
         await reader.stop()
         if proc is not None:
@@ -245,114 +398,169 @@ async def one_run(
         await delete_topics(bootstrap, list(topics.values()))
 
 
+# --------------------------------------------------------------------------- figures
+
+
+def figures(runs: list[Run]) -> dict[str, float]:
+    """Pooled p50/p99 (ms) with the per-repetition range, and CPU per event (µs)."""
+    pooled = [x for r in runs for x in r.lat]
+    out = {"p50": pct(pooled, 0.5) * 1e3, "p99": pct(pooled, 0.99) * 1e3}
+    for q, name in ((0.5, "p50"), (0.99, "p99")):
+        per = [pct(r.lat, q) * 1e3 for r in runs]
+        out[f"{name}_min"], out[f"{name}_max"] = min(per), max(per)
+    out["cpu_us"] = statistics.median(r.cpu_per_event for r in runs) * 1e6
+    if any(r.kinds and any(r.kinds) for r in runs):
+        out["placements_p99"] = pct([x for r in runs for x in r.of(True)], 0.99) * 1e3
+    return out
+
+
+def spread(f: dict[str, float], name: str) -> str:
+    return f"{f[name]:7.1f} ({f[name + '_min']:.1f}-{f[name + '_max']:.1f})"
+
+
+def agreement(now: dict[str, Any], before: dict[str, Any]) -> list[str]:
+    """The figures of two runs more than AGREE apart (their ratio)."""
+    off = []
+    for key, modes in now["figures"].items():
+        for mode, f in modes.items():
+            for name in ("p50", "p99", "cpu_us"):
+                a = f[name]
+                b = before["figures"].get(key, {}).get(mode, {}).get(name)
+                if b is None:
+                    off.append(f"{key} {mode} {name}: not in the earlier run")
+                elif max(a, b) > AGREE * min(a, b):
+                    off.append(f"{key} {mode} {name}: {a:.1f} vs {b:.1f} earlier")
+    return off
+
+
 async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rates", default="20,100,200,400")
-    ap.add_argument("--seconds", type=float, default=30.0, help="timed publishing per run")
-    ap.add_argument("--warmup", type=float, default=3.0, help="seconds published first, not timed")
-    ap.add_argument("--partitions", type=int, default=4)
-    ap.add_argument("--hosts", type=int, default=400, help="distinct placement targets")
-    ap.add_argument("--hypervisors", type=int, default=500)
-    ap.add_argument("--repetitions", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=11)
-    ap.add_argument("--quick", action="store_true", help="10 s per run")
+    ap.add_argument("--rates", default="20,100,200", help="rates with half placements")
+    ap.add_argument("--none-rate", type=float, default=200.0, help="rate without placements")
     ap.add_argument(
-        "--bound", action="store_true", help="also the write-first bound (raw loop + PATCH)"
+        "--backlog", type=int, default=20_000, help="no-host-found events of the CPU backlog"
     )
+    ap.add_argument("--seconds", type=float, default=60.0, help="timed publishing per run")
+    ap.add_argument("--warmup", type=float, default=3.0, help="seconds published first, untimed")
+    ap.add_argument("--repetitions", type=int, default=3)
+    ap.add_argument("--partitions", type=int, default=4)
+    ap.add_argument("--hosts", type=int, default=300, help="hosts per cluster part")
+    ap.add_argument("--hypervisors", type=int, default=500)
+    ap.add_argument("--seed", type=int, default=37)
+    ap.add_argument("--out", help="write the figures to this JSON file")
+    ap.add_argument("--agree-with", help="an earlier run's --out file to agree with")
+    ap.add_argument("--show-slowest", type=int, default=5, help="events shown per run")
+    ap.add_argument("--quick", action="store_true", help="15 s per run, one repetition")
     args = ap.parse_args()
     if args.quick:
-        args.seconds = 10.0
-    rates = [float(r) for r in args.rates.split(",")]
+        args.seconds, args.repetitions = 15.0, 1
+    before = json.loads(Path(args.agree_with).read_text()) if args.agree_with else None
+    rates = [float(r) for r in args.rates.split(",") if r]
+    plan = [(r, True) for r in rates] + ([(args.none_rate, False)] if args.none_rate else [])
     bootstrap, kubeconfig = env_endpoints()
+    started = time.monotonic()
+    runs: dict[tuple[float, bool], dict[str, list[Run]]] = {k: {} for k in plan}
+    backlog: dict[str, list[float]] = {"raw": [], "service": []}
     async with Cluster.connect(kubeconfig) as cluster:
-        print(await cluster.ensure(args.hypervisors))
-
-    rows: list[tuple[float, list[Run], list[Run]]] = []
-    bounds: dict[float, list[Run]] = {}
-    failures: list[str] = []
-    try:
-        for rate in rates:
-            raw: list[Run] = []
-            svc: list[Run] = []
-            for rep in range(args.repetitions):
-                raw.append(await one_run("raw", rate, args, bootstrap, kubeconfig, rep, failures))
-                svc.append(
-                    await one_run("service", rate, args, bootstrap, kubeconfig, rep, failures)
+        print(await cluster.ensure(args.hypervisors), flush=True)
+        for mode in ("bound", "service"):
+            print(await ensure_part(cluster, mode, args.hosts), flush=True)
+        for rep in range(args.repetitions):
+            for rate, placements in plan:
+                modes = MODES if placements else ("raw", "service")
+                turn = rep % len(modes)  # rotate the order with each repetition
+                for mode in modes[turn:] + modes[:turn]:
+                    run = await one_run(
+                        mode, rate, placements, rep, args, bootstrap, kubeconfig, cluster
+                    )
+                    runs[(rate, placements)].setdefault(mode, []).append(run)
+            if args.backlog:
+                # CPU per no-host-found event in a backlog (bench_cpu.py's measure, where
+                # per-event work and not the transactions' requests decides).
+                cpu_args = argparse.Namespace(
+                    events=args.backlog,
+                    partitions=args.partitions,
+                    hypervisors=args.hypervisors,
+                    seed=args.seed + rep,
                 )
-                if args.bound:
-                    run = await one_run("bound", rate, args, bootstrap, kubeconfig, rep, failures)
-                    bounds.setdefault(rate, []).append(run)
-            rows.append((rate, raw, svc))
-            print(
-                f"  {rate:5.0f}/s  raw p99 {pct(latencies(raw), 0.99) * 1e3:8.1f} ms   "
-                f"service p99 {pct(latencies(svc), 0.99) * 1e3:8.1f} ms   [{load()}]",
-                flush=True,
-            )
-    except WorkloadError as exc:
-        failures.append(str(exc))  # the rates measured so far are still shown
+                for mode in ("raw", "service") if rep % 2 == 0 else ("service", "raw"):
+                    cpu, rate_s = await bench_cpu.one_run(
+                        mode, cpu_args, bootstrap, kubeconfig, rep
+                    )
+                    backlog[mode].append(cpu)
+                    print(
+                        f"    {mode:7s} backlog of {args.backlog} rep {rep}: {cpu:5.1f} us/event "
+                        f"({rate_s:.0f}/s)  [{load()}]",
+                        flush=True,
+                    )
 
+    result: dict[str, Any] = {"figures": {}, "args": vars(args)}
     print()
     print(
-        f"publish -> committed output (read_committed), ms; half slot_used placements, "
-        f"{args.partitions} partitions, {args.seconds:g} s per run"
+        f"publish -> committed output (read_committed), ms, pooled over {args.repetitions} "
+        f"repetition(s) of {args.seconds:g} s (per-repetition range); CPU per event of the "
+        f"consuming process, µs; {args.partitions} partitions, {args.hosts} hosts per part; "
+        f"{(time.monotonic() - started) / 60:.0f} min"
     )
     print(
-        f"{'rate/s':>7} {'events':>7} | {'raw p50':>8} {'p95':>7} {'p99':>7} | "
-        f"{'svc p50':>8} {'p95':>7} {'p99':>8} | {'p99 svc/raw':>11} | {'svc p99 nhf':>11}"
+        f"{'stream':>14} {'mode':>7} | {'p50':>22} | {'p99':>24} | {'placements p99':>14} | "
+        f"{'cpu/event':>9}"
     )
-    goal = True
-    for rate, raw, svc in rows:
-        r = [pct(latencies(raw), q) * 1e3 for q in (0.5, 0.95, 0.99)]
-        s = [pct(latencies(svc), q) * 1e3 for q in (0.5, 0.95, 0.99)]
-        nhf = pct([x for run in svc for x in run.lat[1::2]], 0.99) * 1e3
-        print(
-            f"{rate:7.0f} {len(latencies(svc)):7d} | {r[0]:8.1f} {r[1]:7.1f} {r[2]:7.1f} | "
-            f"{s[0]:8.1f} {s[1]:7.1f} {s[2]:8.1f} | {s[2] / r[2]:11.2f} | {nhf:11.1f}"
-        )
-        if rate <= GOAL_UP_TO and s[2] > r[2]:
-            goal = False
-    code = goals({f"goal service p99 <= raw p99 up to {GOAL_UP_TO:.0f}/s": goal}, f"[{load()}]")
-    if bounds:
-        print()
-        print("write-first bound (raw loop + an unguarded PATCH per placement, overlapped), ms")
-        print(
-            f"{'rate/s':>7} | {'bound p50':>9} {'p95':>7} {'p99':>7} | {'p99 bound/raw':>13} | "
-            f"{'p99 placements':>14} {'no-host-found':>13}"
-        )
-        for rate, raw, _ in rows:
-            if rate not in bounds:
-                continue
-            b = [pct(latencies(bounds[rate]), q) * 1e3 for q in (0.5, 0.95, 0.99)]
-            placed = pct([x for run in bounds[rate] for x in run.lat[0::2]], 0.99) * 1e3
-            nhf = pct([x for run in bounds[rate] for x in run.lat[1::2]], 0.99) * 1e3
-            ratio = b[2] / (pct(latencies(raw), 0.99) * 1e3)
+    met: dict[str, bool] = {}
+    for (rate, placements), by_mode in runs.items():
+        key = f"{rate:g}/s " + ("half" if placements else "none")
+        figs = {mode: figures(rs) for mode, rs in by_mode.items()}
+        result["figures"][key] = figs
+        for mode, f in figs.items():
             print(
-                f"{rate:7.0f} | {b[0]:9.1f} {b[1]:7.1f} {b[2]:7.1f} | {ratio:13.2f} | "
-                f"{placed:14.1f} {nhf:13.1f}"
+                f"{key:>14} {mode:>7} | {spread(f, 'p50'):>22} | {spread(f, 'p99'):>24} | "
+                f"{f.get('placements_p99', float('nan')):14.1f} | {f['cpu_us']:9.0f}"
             )
-    # What the machine did meanwhile: the service's runs also carry the API server's
-    # PATCH work, which the raw loop does not; on two cores that is most of the gap.
-    print()
-    print("cores in use while measuring (average over the runs; 2 on this machine)")
-    print(
-        f"{'rate/s':>7} | {'raw runs':>8} | {'svc runs':>8} {'apiserver':>9} {'kafka':>6} "
-        f"{'service':>7} | {'PATCH mean ms':>13} {'p99 <= ms':>9}"
-    )
-    for rate, raw, svc in rows:
-        rc, sc = mean_cores(raw), mean_cores(svc)
-        patches = [run.patch for run in svc if run.patch is not None and run.patch.count]
-        mean = sum(p.mean_s * p.count for p in patches) / max(sum(p.count for p in patches), 1)
-        p99 = max((p.p99_le_s for p in patches), default=0.0)
+        s = figs["service"]
+        if placements:
+            b = figs["bound"]
+            met[f"{rate:g}/s p99 service/bound {s['p99'] / b['p99']:.2f} <= {P99_VS_BOUND}"] = (
+                s["p99"] <= P99_VS_BOUND * b["p99"]
+            )
+            met[f"{rate:g}/s p50 service/bound {s['p50'] / b['p50']:.2f} <= {P50_VS_BOUND}"] = (
+                s["p50"] <= P50_VS_BOUND * b["p50"]
+            )
+        else:
+            r = figs["raw"]
+            met[f"{rate:g}/s none p99 service/raw {s['p99'] / r['p99']:.2f} <= {P99_VS_RAW}"] = (
+                s["p99"] <= P99_VS_RAW * r["p99"]
+            )
+            print(
+                f"{'':>14} CPU per event at {rate:g}/s, service/raw: "
+                f"{s['cpu_us'] / r['cpu_us']:.2f} (paced: the transactions' requests dominate)"
+            )
+    if backlog["raw"]:
+        raw_us, svc_us = (statistics.median(backlog[m]) for m in ("raw", "service"))
+        result["figures"]["backlog"] = {"raw": {"cpu_us": raw_us}, "service": {"cpu_us": svc_us}}
+        each = {m: " ".join(f"{x:.1f}" for x in backlog[m]) for m in backlog}
         print(
-            f"{rate:7.0f} | {sum(rc.values()):8.2f} | {sum(sc.values()):8.2f} "
-            f"{sc.get('apiserver', 0.0):9.2f} {sc.get('kafka', 0.0):6.2f} "
-            f"{sc.get('service', 0.0):7.2f} | {mean * 1e3:13.1f} {p99 * 1e3:9.0f}"
+            f"{'backlog':>14} CPU per no-host-found event ({args.backlog} events, median of "
+            f"{len(backlog['raw'])}): raw {raw_us:.1f} µs ({each['raw']}), "
+            f"service {svc_us:.1f} µs ({each['service']})"
         )
-    for failure in failures:
-        print(f"WORKLOAD FAILED: {failure}")
-    check_workload(not failures, f"{len(failures)} run(s) failed, see above")
-    return code
+        met[f"backlog CPU/event service/raw {svc_us / raw_us:.2f} <= {CPU_VS_RAW}"] = (
+            svc_us <= CPU_VS_RAW * raw_us
+        )
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print()
+    for line in met:
+        print(f"  goal {line}: {'met' if met[line] else 'MISSED'}")
+    if before is not None:
+        off = agreement(result, before)
+        for line in off:
+            print(f"  DISAGREE (> {AGREE:g}x): {line}")
+        met[f"agrees within {AGREE:g}x with {args.agree_with}"] = not off
+    if args.quick:
+        print("--quick: figures only, no verdict on the goals")
+        return 0
+    return goals({"every goal": all(met.values())}, f"[{load()}]")
 
 
 if __name__ == "__main__":
-    finish(lambda: asyncio.run(main()))
+    sys.exit(finish(lambda: asyncio.run(main())))

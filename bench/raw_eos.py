@@ -1,27 +1,30 @@
 """The raw reference loop of the engine benchmarks: an aiokafka exactly-once pass-through.
 
 Run: ``.venv/bin/python bench/raw_eos.py --bootstrap B --input T --output O --group G``
-(until SIGTERM). With ``--kubeconfig K`` it is the *write-first bound* of benchmark 1.
+(until SIGTERM). With ``--kubeconfig K --part P`` it is the *write-first bound* of the
+latency benchmark (bench_latency.py).
 
 It does what the service does on the Kafka side and nothing else: ``getmany`` (same
-``max_records`` as the service's batch, read_committed, same poll timeout), then one
-transaction per batch holding ``send_offsets_to_transaction`` and one produced record
-per input record (the input's key, value and headers, unchanged). A separate process,
-like the service, so that the benchmark harness measures both from the outside alike
-(committed offsets, a read_committed reader, /proc CPU times).
+``max_records`` as the service's batch, read_committed), then one transaction per batch
+holding ``send_offsets_to_transaction`` and one produced record per input record (the
+input's key, value and headers, unchanged). A separate process, like the service, so that
+the benchmark harness measures both from the outside alike (committed offsets, a
+read_committed reader, /proc CPU times). Its batching is a floor, not a strawman: it
+fetches whatever has arrived (``getmany`` returns at once when records are buffered,
+with up to ``--max-batch``), has no linger and no commit pacing, and sends every record
+of a batch before awaiting any delivery (see BENCHMARKS.md for the settings tried).
 
 The write-first bound (``--kubeconfig``): the same loop, and for every placement record
-(a ``targetHost`` in the outcome; benchmark 1's placements go to slot ``res-<n>-0`` of
-host ``hv-<n>``) one merge PATCH adding the record's VM to that slot, sent as soon as the
-batch is fetched and awaited together with the batch's Kafka requests, before the
-commit. It estimates the best a placement can do in an engine that commits its output
-only once the write is decided: the PATCH is unguarded (no read, no resourceVersion),
-the record is only parsed (``json.loads``), and the PATCH overlaps every Kafka request
-but the EndTxn (an engine doing that holds the readers of its output partitions for as
-long as the write takes, which the service does not do). Its loop is sequential like
-the plain one: a batch fetched while a PATCH is in flight waits for it, which weighs on
-the records after a placement (at 20/s, mostly no-host-found ones), not on the
-placements. Benchmark 1 compares it with the plain loop.
+(a ``targetHost`` in the outcome) one merge PATCH that adds the record's VM to a slot of
+the benchmark's cluster part ``--part`` on that host, guarded by the slot's
+resourceVersion, before the batch's transaction commits. The slot is chosen as the
+reference's ``pick_slot`` chooses (most coverage, then the tightest fit, then the name)
+from what the bound knows of its part: it lists the part once at start and keeps each
+slot's resourceVersion and memory left from every answer, so it never reads before a
+write (a 409, which only another writer could cause, re-reads the slot and retries).
+Writes to different slots run concurrently, writes to one slot one after the other.
+The PATCHes are in flight during the batch's Kafka requests and awaited before its
+EndTxn: what any engine that commits an output only once its write is decided pays.
 """
 
 from __future__ import annotations
@@ -31,21 +34,102 @@ import asyncio
 import contextlib
 import json
 import signal
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
 
 MERGE = "application/merge-patch+json"
-ALLOCATION = {"creationTimestamp": "2026-12-03T00:00:00Z", "resources": {"memory": "4Gi"}}
+GiB = 1024**3
+# The bound's allocation body: the service's shape (memory and cpu of an m2.small, a
+# timestamp); bench_latency.py checks the part for exactly this body afterwards.
+ALLOCATION = {
+    "creationTimestamp": "2026-12-03T00:00:00Z",
+    "resources": {"memory": "4Gi", "cpu": "2"},
+}
 
 
-def target_slot(value: bytes) -> str | None:
-    """The slot a benchmark placement goes to (``res-<n>-0`` on ``hv-<n>``), else None."""
-    target = json.loads(value)["data"]["decision"]["result"].get("targetHost")
-    if not target:
-        return None
-    return f"res-{target.removeprefix('hv-')}-0"
+def target_host(value: bytes) -> str | None:
+    """The host a placement went to (``targetHost``), None for a no-host-found outcome."""
+    host = json.loads(value)["data"]["decision"]["result"].get("targetHost")
+    return str(host) if host else None
+
+
+def quantity_bytes(text: str) -> int:
+    """The bench part's memory quantities (``16Gi``, ``4Gi``, ``512Mi``) in bytes."""
+    for suffix, scale in (("Gi", GiB), ("Mi", 1024**2), ("Ki", 1024)):
+        if text.endswith(suffix):
+            return int(text[: -len(suffix)]) * scale
+    return int(text)
+
+
+@dataclass
+class Slot:
+    name: str
+    version: str
+    left: int  # bytes of the block not yet allocated (negative: overfilled)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class Part:
+    """The bound's view of its cluster part: each slot's resourceVersion and memory left,
+    by host, kept from the answers to its own writes."""
+
+    def __init__(self, cluster: Any, selector: str) -> None:
+        self.cluster, self.selector = cluster, selector
+        self.by_host: dict[str, list[Slot]] = {}
+        self.writes = self.conflicts = self.failed = 0
+
+    async def load(self) -> int:
+        url = self.cluster.url("reservations") + f"?labelSelector={self.selector}"
+        status, body = await self.cluster.call("GET", url)
+        if status != 200:
+            raise RuntimeError(f"listing the part {self.selector}: {status}")
+        for obj in json.loads(body)["items"]:
+            slot = Slot(obj["metadata"]["name"], "", 0)
+            self._update(slot, obj)
+            self.by_host.setdefault(obj["spec"]["targetHost"], []).append(slot)
+        return sum(len(v) for v in self.by_host.values())
+
+    @staticmethod
+    def _update(slot: Slot, obj: dict[str, Any]) -> None:
+        spec = obj["spec"]
+        allocations = (spec.get("committedResourceReservation") or {}).get("allocations") or {}
+        used = sum(quantity_bytes(a["resources"]["memory"]) for a in allocations.values())
+        slot.version = obj["metadata"]["resourceVersion"]
+        slot.left = quantity_bytes(spec["resources"]["memory"]) - used
+
+    def pick(self, host: str, need: int) -> Slot | None:
+        """pick_slot's order: most coverage, then the tightest fit, then the name; the
+        memory is taken at once, so the next placement on the host sees it gone."""
+        fitting = [s for s in self.by_host.get(host, []) if s.left > 0]
+        if not fitting:
+            return None
+        slot = min(fitting, key=lambda s: (-min(s.left, need), s.left, s.name))
+        slot.left -= need
+        return slot
+
+    async def write(self, slot: Slot, vm: str) -> None:
+        url = self.cluster.url("reservations", slot.name)
+        async with slot.lock:
+            for _ in range(5):
+                body = {
+                    "metadata": {"resourceVersion": slot.version},
+                    "spec": {"committedResourceReservation": {"allocations": {vm: ALLOCATION}}},
+                }
+                status, answer = await self.cluster.call("PATCH", url, body, MERGE)
+                self.writes += 1
+                if status == 200:
+                    slot.version = json.loads(answer)["metadata"]["resourceVersion"]
+                    return
+                if status != 409:
+                    break
+                self.conflicts += 1
+                status, answer = await self.cluster.call("GET", url)
+                if status == 200:
+                    slot.version = json.loads(answer)["metadata"]["resourceVersion"]
+            self.failed += 1
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -66,12 +150,14 @@ async def run(args: argparse.Namespace) -> None:
         bootstrap_servers=args.bootstrap, transactional_id=f"tx-{args.group}"
     )
     async with contextlib.AsyncExitStack() as stack:
-        cluster: Any = None
+        part: Part | None = None
         if args.kubeconfig:
             from _common import Cluster  # the service's modules only for the bound
 
             cluster = await stack.enter_async_context(Cluster.connect(args.kubeconfig))
-        await pass_through(args, stop, consumer, producer, cluster)
+            part = Part(cluster, args.part)
+            print(f"bound: {await part.load()} slots in part {args.part}", flush=True)
+        await pass_through(args, stop, consumer, producer, part)
 
 
 async def pass_through(
@@ -79,20 +165,22 @@ async def pass_through(
     stop: asyncio.Event,
     consumer: AIOKafkaConsumer,
     producer: AIOKafkaProducer,
-    cluster: Any,
+    part: Part | None,
 ) -> None:
-    writes = failed = 0
+    need = int(args.vm_gib * GiB)
+    unplaced = 0
 
     async def write(record: ConsumerRecord[bytes, bytes]) -> None:
-        nonlocal writes, failed
-        slot = target_slot(record.value)
-        if slot is None:
+        nonlocal unplaced
+        assert part is not None
+        host = target_host(record.value)
+        if host is None:
             return
-        vm = bytes(record.key).decode()
-        body = {"spec": {"committedResourceReservation": {"allocations": {vm: ALLOCATION}}}}
-        status, _ = await cluster.call("PATCH", cluster.url("reservations", slot), body, MERGE)
-        writes += 1
-        failed += status != 200
+        slot = part.pick(host, need)
+        if slot is None:
+            unplaced += 1
+            return
+        await part.write(slot, bytes(record.key).decode())
 
     await producer.start()
     await consumer.start()
@@ -104,7 +192,7 @@ async def pass_through(
             offsets = {tp: records[-1].offset + 1 for tp, records in batch.items()}
             async with producer.transaction():
                 patches = []
-                if cluster is not None:  # in flight during every Kafka request but the end
+                if part is not None:  # in flight during every Kafka request but the end
                     patches = [
                         asyncio.create_task(write(r)) for records in batch.values() for r in records
                     ]
@@ -118,9 +206,13 @@ async def pass_through(
     finally:
         await consumer.stop()
         await producer.stop()
-        if cluster is not None:
-            # In its log, for a reader of a failed run (bench_latency.py checks the slots).
-            print(f"bound: {writes} PATCHes, {failed} not answered 200", flush=True)
+        if part is not None:
+            # In its log, for a reader of a failed run (bench_latency.py checks the part).
+            print(
+                f"bound: {part.writes} PATCHes, {part.conflicts} conflicts, "
+                f"{part.failed} placements not written, {unplaced} without a slot",
+                flush=True,
+            )
 
 
 def main() -> None:
@@ -131,6 +223,8 @@ def main() -> None:
     ap.add_argument("--group", required=True)
     ap.add_argument("--max-batch", type=int, default=500)
     ap.add_argument("--kubeconfig", help="the write-first bound: PATCH each placement's slot")
+    ap.add_argument("--part", default="crs-bench-part=bound", help="the bound's slots (selector)")
+    ap.add_argument("--vm-gib", type=float, default=4.0, help="memory of a placed VM")
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run(ap.parse_args()))
 
