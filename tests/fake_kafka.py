@@ -328,7 +328,7 @@ class FakeConsumer:
         self._client = _Client()
         self.commits: list[dict[TopicPartition, OffsetAndMetadata]] = []
         self.asked: list[set[TopicPartition]] = []  # the partitions each getmany asked for
-        self.asked_at: list[float] = []  # when (time.monotonic)
+        self.asked_at: list[float] = []  # when (the loop's time)
         self.returned: list[tuple[float, int]] = []  # (when, records) of each getmany
         self._lso: dict[TopicPartition, int] = {}
         self._highwater: dict[TopicPartition, int] = {}
@@ -434,7 +434,7 @@ class FakeConsumer:
         out: dict[TopicPartition, list[Rec]] = {}
         wanted = set(partitions) if partitions else self._assigned
         self.asked.append(set(wanted))
-        self.asked_at.append(time.monotonic())
+        self.asked_at.append(asyncio.get_running_loop().time())
         for tp in sorted((self._assigned & wanted) - self._paused):
             log = self.broker.logs.get(tp, [])
             self._lso[tp] = min(len(log), self.open_transaction_at.get(tp, len(log)))
@@ -452,7 +452,7 @@ class FakeConsumer:
             self.broker.data.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.broker.data.wait(), timeout_ms / 1000)
-        self.returned.append((time.monotonic(), sum(len(r) for r in out.values())))
+        self.returned.append((asyncio.get_running_loop().time(), sum(len(r) for r in out.values())))
         return out
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +21,7 @@ from service.stream.metrics import StreamMetrics
 from service.stream.partitioner import partition_for_key
 from service.stream.processor import OutRecord, Processor, RetryLater
 from tests.fake_kafka import FakeBroker, FakeConsumer, FakeProducer
+from tests.unit.engine.virtual_time import VirtualTimeLoop
 
 IN = "in"
 
@@ -95,7 +95,7 @@ class Harness:
         self,
         broker: FakeBroker,
         *,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
         **settings: Any,
     ) -> None:
         self.broker = broker
@@ -116,7 +116,7 @@ class Harness:
             StreamSettings(**(base | settings)),
             self.processor,  # type: ignore[arg-type]
             self.metrics,
-            clock=clock,
+            clock=clock or now,
             consumer_factory=lambda **kw: FakeConsumer(broker, **kw),
             producer_factory=self._producer,
         )
@@ -185,10 +185,19 @@ class Harness:
         return self.metrics.events.labels("placement", "slot_used")._value.get()  # type: ignore[no-any-return]
 
 
+def now() -> float:
+    """The time of the engine tests' loop, which must be virtual (see conftest.py)."""
+    loop = asyncio.get_running_loop()
+    assert isinstance(loop, VirtualTimeLoop), f"an engine test on real time: {loop!r}"
+    return loop.time()
+
+
 async def until(pred: Callable[[], bool], limit_s: float = 3.0) -> None:
-    deadline = time.monotonic() + limit_s
+    """Wait until ``pred()`` holds; fail once ``limit_s`` have passed on the loop's
+    (virtual) clock."""
+    deadline = now() + limit_s
     while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
+        assert now() < deadline, "condition not reached"
         await asyncio.sleep(0.005)
 
 

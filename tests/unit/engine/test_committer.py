@@ -224,7 +224,7 @@ async def test_a_commit_cut_short_is_never_committed_again(broker: FakeBroker) -
     await until(lambda: "commit" in part.producer.calls)
     assert part.committer is not None
     part.committer.cancel()
-    await asyncio.sleep(0.4)  # the shielded commit lands
+    await until(lambda: broker.commits == 1)  # the shielded commit lands
     await h.service.close()
     assert outputs(broker) == [b"v"]
     await h.ended()

@@ -21,6 +21,7 @@ from tests.unit.engine.harness import (
     TP0,
     TP1,
     Harness,
+    loop_turns,
     outputs,
     until,
 )
@@ -115,7 +116,10 @@ async def test_key_concurrency_is_bounded(broker: FakeBroker) -> None:
     gate = h.gated_records(8)
     await h.start(TP0)
     await until(lambda: h.processor.running == 3)
-    await asyncio.sleep(0.05)
+    # All eight fetched and the fetch loop two whole turns on: the other five had their
+    # chance to start.
+    await until(lambda: h.consumer.positions[TP0] == 8)
+    await loop_turns(h)
     assert h.processor.max_running == 3
     gate.set()
     await until(lambda: len(outputs(broker)) == 8)

@@ -6,7 +6,6 @@ broker in tests/integration."""
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import pytest
@@ -24,6 +23,7 @@ from tests.unit.engine.harness import (
     TP1,
     Harness,
     engine_task,
+    now,
     outputs,
     straggler,
     until,
@@ -207,9 +207,9 @@ async def test_a_slow_take_over_goes_on_after_the_assignment_callback_returns(
     broker.init_delay_s = 0.5
     for i in range(5):
         broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
-    started = time.monotonic()
+    started = now()
     await h.start(TP0)
-    assert time.monotonic() - started < 0.4
+    assert now() - started < 0.4
     assert TP0 in h.consumer.paused()  # nothing handed out before the fence is up
     await until(lambda: len(outputs(broker)) == 5)
     assert sorted(outputs(broker)) == [b"v%d" % i for i in range(5)]
@@ -257,9 +257,9 @@ async def test_a_partition_given_back_after_its_revoke_commit_failed_is_taken_ov
     else:
         broker.fail_commits = 1
     await h.consumer.assign([TP0])
-    started = time.monotonic()
+    started = now()
     await until(lambda: TP0 in h.service.partitions.owned, limit_s=5)
-    waited = time.monotonic() - started
+    waited = now() - started
     await until(lambda: sorted(outputs(broker)) == [b"a0", b"b0", b"slow"])
     await h.stop()
     assert waited < 0.5, f"taken over again only after {waited:.2f}s"

@@ -6,7 +6,6 @@ broker in tests/integration."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 from aiokafka.errors import KafkaConnectionError, KafkaError
@@ -21,6 +20,7 @@ from tests.unit.engine.harness import (
     Harness,
     lag,
     loop_turns,
+    now,
     outputs,
     until,
 )
@@ -33,7 +33,7 @@ async def test_fetch_linger_paces_fetches_that_bring_records_only(broker: FakeBr
     for i in range(3):  # each fetch brings one record: the next waits out the linger
         broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
         await until(lambda n=i + 1: len(outputs(broker)) == n, limit_s=2)  # type: ignore[misc]
-    await asyncio.sleep(0.4)  # idle: empty fetches (poll_timeout_ms = 20 ms)
+    await loop_turns(h, 5)  # idle: empty fetches (poll_timeout_ms = 20 ms)
     await h.stop()
     calls, returns = h.consumer.asked_at, h.consumer.returned
     after_records = [
@@ -98,11 +98,11 @@ async def test_a_partition_full_for_long_is_still_asked_for_one_record_now_and_t
     gate = h.gated_records(40)
     await h.start(TP0)
     await until(lambda: h.service.partitions.owned[TP0].backpressured)
-    calls, started = len(h.consumer.asked), time.monotonic()
+    calls, started = len(h.consumer.asked), now()
     await until(lambda: len(h.consumer.asked) - calls >= 6)  # kept asking while full
     in_flight, elapsed = (
         h.service.partitions.owned[TP0].ledger.in_flight,
-        time.monotonic() - started,
+        now() - started,
     )
     assert in_flight <= 4 + 1 + elapsed / 0.05  # one record per keep-alive at most
     gate.set()
@@ -117,9 +117,9 @@ async def test_a_stop_during_a_fetch_back_off_ends_the_loop_at_once(broker: Fake
     broker.fail_fetches = [KafkaConnectionError("broker away (fake)")] * 3
     await h.start(TP0)
     await until(lambda: h.service.fetch_error is not None)
-    started = time.monotonic()
+    started = now()
     await h.stop()
-    assert time.monotonic() - started < 1.0
+    assert now() - started < 1.0
 
 
 async def test_a_failing_fetch_keeps_the_loop_turning_and_says_why(broker: FakeBroker) -> None:
@@ -188,7 +188,7 @@ async def test_a_heartbeat_ended_during_a_rebalance_is_left_to_aiokafka(
     ended = asyncio.get_running_loop().create_future()
     ended.set_exception(KafkaError("Heartbeat failed"))
     h.consumer._coordinator._heartbeat_task = ended
-    await asyncio.sleep(0.1)  # fetches that returned nothing
+    await loop_turns(h, 3)  # fetches that returned nothing, with the ended task in place
     h.consumer._coordinator._heartbeat_task = None  # the rejoin dropped it
     broker.append(IN, 0, b"k", b"v1")
     await until(lambda: outputs(broker) == [b"v0", b"v1"])

@@ -10,6 +10,7 @@ import asyncio
 import pytest
 from aiokafka.structs import OffsetAndMetadata
 
+from service.stream.engine import StreamSettings
 from service.stream.engine import transaction as transaction_module
 from tests.fake_kafka import FakeBroker, FakeProducer
 from tests.unit.engine.harness import (
@@ -17,6 +18,7 @@ from tests.unit.engine.harness import (
     TP0,
     Harness,
     ahead_count,
+    loop_turns,
     one_waiting_record,
     out_tp,
     outputs,
@@ -149,7 +151,10 @@ async def test_opening_ahead_can_be_turned_off(broker: FakeBroker) -> None:
     broker.append(IN, 0, b"k0", b"v0")
     await h.start(TP0)
     await until(lambda: h.processor.calls == [(0, 0)])
-    await asyncio.sleep(0.05)
+    # Past when the shipped setting would have opened it (every timer up to then has
+    # fired on the virtual clock), and the fetch loop turned whole since.
+    await asyncio.sleep(3 * StreamSettings.txn_open_ahead_ms / 1000)
+    await loop_turns(h)
     assert h.service.partitions.owned[TP0].producer.calls == []
     gate.set()
     await until(lambda: outputs(broker) == [b"v0"])
