@@ -128,7 +128,7 @@ async def test_a_cancelled_re_acquisition_stops_and_still_closes_the_producer(
         went_on.append("acquire")
 
     task = asyncio.create_task(reacquire())
-    await asyncio.sleep(0.01)  # waiting for the worker
+    await until(lambda: part.released)  # _drop cancelled the worker and waits for it
     task.cancel()
     await asyncio.sleep(0.01)
     release.set()
