@@ -72,6 +72,11 @@ class FakeBroker:
         # the engine reads to add output partitions to a transaction ahead).
         self.topic_partitions: dict[str, int] = {}
 
+    def append_numbered(self, topic: str, partition: int, numbers: range) -> None:
+        """Records numbered as ``numbers``: key k<i>, value v<i>."""
+        for i in numbers:
+            self.append(topic, partition, b"k%d" % i, b"v%d" % i)
+
     def append(self, topic: str, partition: int, key: bytes | None, value: bytes) -> None:
         tp = TopicPartition(topic, partition)
         log = self.logs.setdefault(tp, [])

@@ -122,6 +122,15 @@ class Harness:
         )
         self.task: asyncio.Task[None] | None = None
 
+    @classmethod
+    async def published(cls, broker: FakeBroker, **settings: Any) -> Harness:
+        """Started on partition 0, which has published its first record (key k, value v0)."""
+        h = cls(broker, **settings)
+        broker.append(IN, 0, b"k", b"v0")
+        await h.start(TP0)
+        await until(lambda: outputs(broker) == [b"v0"])
+        return h
+
     def _producer(self, **kwargs: Any) -> FakeProducer:
         producer = FakeProducer(self.broker, **kwargs)
         self.producers.append(producer)
@@ -251,6 +260,28 @@ def straggler(h: Harness, key: bytes = b"s", value: bytes = b"slow") -> asyncio.
     gate = h.processor.gates[value] = asyncio.Event()
     h.broker.append(IN, 0, key, value)
     return gate
+
+
+async def one_hanging_commit(
+    broker: FakeBroker, delay_s: float, **settings: Any
+) -> tuple[Harness, Any]:
+    """A started partition whose commits take ``delay_s`` (EndTxn on a broker in trouble),
+    once one of them (of record k, v) is under way; and its part."""
+    h = Harness(broker, **settings)
+    await h.start(TP0)
+    part = await h.part()
+    broker.commit_delay_s = delay_s
+    broker.append(IN, 0, b"k", b"v")
+    await until(lambda: "commit" in part.producer.calls)
+    return h, part
+
+
+def assert_held_at(broker: FakeBroker, offset: int) -> None:
+    """The committed offset of partition 0 stays at ``offset``, a stuck record; its
+    metadata says what is done behind it."""
+    committed = broker.committed[("g", TP0)]
+    assert committed.offset == offset
+    assert committed.metadata.startswith("crs1:")
 
 
 def lag(h: Harness) -> float:

@@ -1,7 +1,4 @@
-"""The committer: commit triggers and pacing, transactions, commits of unknown outcome.
-
-Against the in-memory Kafka of tests/fake_kafka.py; the same behaviours run on the real
-broker in tests/integration."""
+"""The committer: commit triggers and pacing, transactions, commits of unknown outcome."""
 
 from __future__ import annotations
 
@@ -22,6 +19,7 @@ from tests.unit.engine.harness import (
     TP1,
     FakeClock,
     Harness,
+    one_hanging_commit,
     outputs,
     slow_commits,
     straggler,
@@ -30,11 +28,64 @@ from tests.unit.engine.harness import (
 )
 
 
+def frozen_clock_harness(broker: FakeBroker, **settings: Any) -> tuple[Harness, FakeClock]:
+    """A harness whose engine runs on a clock only the test moves; its fetch pacing too
+    runs on that clock, so there is no linger."""
+    clock = FakeClock()
+    return Harness(broker, clock=clock, fetch_linger_ms=0, **settings), clock
+
+
+async def one_timed_out_commit(
+    broker: FakeBroker, backoff_s: float, *, lands: bool
+) -> tuple[Harness, Any]:
+    """One record (k, v) whose commit outlives its timeout and then ``lands`` or is
+    refused by the broker, which is fast again from then on; and the partition's part."""
+    h, part = await slow_commits(broker, backoff_s)
+    broker.fail_commits = 0 if lands else 1
+    broker.append(IN, 0, b"k", b"v")
+    if lands:
+        await until(lambda: broker.commits == 1)  # landed after the timeout
+    else:
+        await until(lambda: broker.fail_commits == 0)
+    broker.commit_delay_s = 0.0
+    return h, part
+
+
+async def stopped_having_published(
+    h: Harness, values: list[bytes], *, calls: list[tuple[int, int]]
+) -> None:
+    """Stop ``h``; its broker holds ``values``, each counted once, and the processor was
+    called for ``calls`` (input partition and offset), in that order."""
+    await h.stop()
+    assert outputs(h.broker) == values
+    assert h.counted() == len(values)
+    assert h.processor.calls == calls
+
+
+async def one_record_left_to_the_revoke(
+    broker: FakeBroker, value: bytes
+) -> tuple[Harness, asyncio.Event]:
+    """Partition 0 published a0 with its only commit token; ``value`` (key b) is decided
+    and waits for the 60 s interval behind a straggler in progress (whose gate is
+    returned), so only a revoke commits it; commits now take 0.3 s, past the revoke's
+    0.1 s bound."""
+    h = Harness(
+        broker, commit_interval_ms=60_000, commit_burst=1, revoke_commit_s=0.1, revoke_wait_s=0.05
+    )
+    broker.append(IN, 0, b"a", b"a0")
+    await h.start(TP0)
+    await until(lambda: outputs(broker) == [b"a0"])  # spends the only token
+    broker.append(IN, 0, b"b", value)
+    gate = straggler(h)  # in progress: b waits for a token
+    await until(lambda: h.uncommitted() == 1)
+    broker.commit_delay_s = 0.3
+    return h, gate
+
+
 async def test_a_failed_commit_reprocesses_and_counts_each_event_once(broker: FakeBroker) -> None:
     h = Harness(broker)
     broker.fail_commits = 1
-    for i in range(6):
-        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    broker.append_numbered(IN, 0, range(6))
     await h.start(TP0)
     await until(lambda: len(outputs(broker)) == 6)
     await h.stop()
@@ -46,16 +97,10 @@ async def test_a_failed_commit_reprocesses_and_counts_each_event_once(broker: Fa
 
 async def test_commit_by_count_without_waiting_for_the_interval(broker: FakeBroker) -> None:
     # On a frozen clock the 60 s interval never passes: only the count commits.
-    h = Harness(
-        broker,
-        clock=FakeClock(),
-        fetch_linger_ms=0,  # the fetch pacing runs on the engine's clock too
-        commit_interval_ms=60_000,
-        commit_burst=1,
-        commit_max_records=3,
+    h, _ = frozen_clock_harness(
+        broker, commit_interval_ms=60_000, commit_burst=1, commit_max_records=3
     )
-    for i in range(3):
-        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    broker.append_numbered(IN, 0, range(3))
     await h.start(TP0)
     await until(lambda: len(outputs(broker)) == 3, limit_s=2)
     commits = broker.commits
@@ -81,14 +126,8 @@ async def test_commit_by_count_without_waiting_for_the_interval(broker: FakeBrok
 
 async def test_commit_by_time_at_most_once_per_interval(broker: FakeBroker) -> None:
     # The engine's clock is the test's: the interval passes when the test says so.
-    clock = FakeClock()
-    h = Harness(
-        broker,
-        clock=clock,
-        fetch_linger_ms=0,  # the fetch pacing runs on the engine's clock too
-        commit_interval_ms=1000,
-        commit_burst=1,
-        commit_max_records=1000,
+    h, clock = frozen_clock_harness(
+        broker, commit_interval_ms=1000, commit_burst=1, commit_max_records=1000
     )
     broker.append(IN, 0, b"k", b"v")
     await h.start(TP0)
@@ -115,14 +154,8 @@ async def test_a_quiet_partition_commits_a_burst_at_once_then_is_paced(
     broker: FakeBroker,
 ) -> None:
     # On a frozen clock no token is earned: the first three commits spend the saved ones.
-    clock = FakeClock()
-    h = Harness(
-        broker,
-        clock=clock,
-        fetch_linger_ms=0,  # the fetch pacing runs on the engine's clock too
-        commit_interval_ms=1000,
-        commit_burst=3,
-        commit_max_records=1000,
+    h, clock = frozen_clock_harness(
+        broker, commit_interval_ms=1000, commit_burst=3, commit_max_records=1000
     )
     await h.start(TP0)
     for i in range(3):  # one by one, each after the previous one's commit
@@ -148,13 +181,8 @@ async def test_a_partition_with_nothing_else_in_progress_commits_at_once_without
     # Waiting for a token batches only records still in progress; with none, it would
     # only delay the output (bench_latency.py: the low-rate tail). On a frozen clock no
     # token is ever earned after the one saved: every commit after it is token-less.
-    h = Harness(
-        broker,
-        clock=FakeClock(),
-        fetch_linger_ms=0,
-        commit_interval_ms=60_000,
-        commit_burst=1,
-        commit_max_records=1000,
+    h, _ = frozen_clock_harness(
+        broker, commit_interval_ms=60_000, commit_burst=1, commit_max_records=1000
     )
     await h.start(TP0)
     for i in range(4):  # one by one, each after the previous one's commit
@@ -168,8 +196,7 @@ async def test_a_commit_hands_over_its_outputs_before_its_offsets(broker: FakeBr
     # Outputs first: aiokafka then adds the group to the transaction while the records
     # are produced (4 sequential requests per transaction instead of 5).
     h = Harness(broker)
-    for i in range(3):
-        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    broker.append_numbered(IN, 0, range(3))
     await h.start(TP0)
     await until(lambda: len(outputs(broker)) == 3)
     calls = h.service.partitions.owned[TP0].producer.calls
@@ -216,12 +243,7 @@ async def test_a_commit_cut_short_is_never_committed_again(broker: FakeBroker) -
     # A cancel (the shutdown budget) landing while a commit waits for EndTxn: aiokafka
     # shields the EndTxn, so the transaction may commit all the same. Its outcome unknown,
     # the partition must not commit the same outputs again when it is released.
-    h = Harness(broker)
-    await h.start(TP0)
-    part = await h.part()
-    broker.commit_delay_s = 0.2
-    broker.append(IN, 0, b"k", b"v")
-    await until(lambda: "commit" in part.producer.calls)
+    h, part = await one_hanging_commit(broker, 0.2)
     assert part.committer is not None
     part.committer.cancel()
     await until(lambda: broker.commits == 1)  # the shielded commit lands
@@ -236,19 +258,13 @@ async def test_a_commit_that_timed_out_but_landed_is_counted_once_on_take_over(
     # The commit outlives commit_timeout_s and lands anyway (aiokafka shields EndTxn):
     # taken over again, the partition starts after those records, so nobody processes
     # them again, and their counts must be applied then, once, or they are never counted.
-    h, part = await slow_commits(broker, 0.5)
-    broker.append(IN, 0, b"k", b"v")
-    await until(lambda: broker.commits == 1)
+    h, part = await one_timed_out_commit(broker, 0.5, lands=True)
     assert h.counted() == 0  # the engine does not know yet
-    broker.commit_delay_s = 0.0
     await h.retaken(part)
     await until(lambda: h.counted() == 1)
     broker.append(IN, 0, b"k", b"w")
     await until(lambda: len(outputs(broker)) == 2)
-    await h.stop()
-    assert outputs(broker) == [b"v", b"w"]
-    assert h.counted() == 2
-    assert h.processor.calls == [(0, 0), (0, 1)]
+    await stopped_having_published(h, [b"v", b"w"], calls=[(0, 0), (0, 1)])
 
 
 async def test_a_landed_commit_is_counted_when_a_rebalance_gives_the_partition_back(
@@ -258,16 +274,11 @@ async def test_a_landed_commit_is_counted_when_a_rebalance_gives_the_partition_b
     # rebalance revokes the partition and gives it back. The take-over (epoch exactly +1:
     # nobody else initialised the id) must still know the commit was this member's, or
     # its event is published and counted by nobody.
-    h, part = await slow_commits(broker, 1.0)
-    broker.append(IN, 0, b"k", b"v")
-    await until(lambda: broker.commits == 1)  # landed after the timeout
-    broker.commit_delay_s = 0.0
+    h, part = await one_timed_out_commit(broker, 1.0, lands=True)
     await h.consumer.assign([TP0])  # revoked, and given back
     await h.retaken(part)
     await until(lambda: h.counted() == 1)
-    await h.stop()
-    assert outputs(broker) == [b"v"]
-    assert h.processor.calls == [(0, 0)]  # not redone
+    await stopped_having_published(h, [b"v"], calls=[(0, 0)])  # not redone
 
 
 async def test_a_commit_cut_short_by_a_revoke_is_counted_when_the_partition_comes_back(
@@ -275,16 +286,7 @@ async def test_a_commit_cut_short_by_a_revoke_is_counted_when_the_partition_come
 ) -> None:
     # The revoke's last commit outlives the revoke's bound and lands. Given back with
     # nobody in between, the take-over finds exactly that commit: counted then, once.
-    h = Harness(
-        broker, commit_interval_ms=60_000, commit_burst=1, revoke_commit_s=0.1, revoke_wait_s=0.05
-    )
-    broker.append(IN, 0, b"a", b"a0")
-    await h.start(TP0)
-    await until(lambda: outputs(broker) == [b"a0"])  # spends the only token
-    broker.append(IN, 0, b"b", b"b0")
-    gate = straggler(h)  # in progress: b0 waits for a token
-    await until(lambda: h.service.partitions.owned[TP0].ledger.done_uncommitted == 1)
-    broker.commit_delay_s = 0.3
+    h, gate = await one_record_left_to_the_revoke(broker, b"b0")
     broker.init_delay_s = 0.5  # the take-over's InitProducerId waits for the EndTxn
     await h.consumer.assign([TP0])  # revoke (its commit cut short, landing later) + assign
     await until(lambda: outputs(broker) == [b"a0", b"b0"])
@@ -303,16 +305,7 @@ async def test_a_commit_of_unknown_outcome_is_remembered_without_its_records(
     # counts and sender; a partition that moved to another member keeps that entry for
     # the life of the process, so it must not hold the outputs (a dead letter carries its
     # input's value, up to a megabyte) of every partition that ever moved away so.
-    h = Harness(
-        broker, commit_interval_ms=60_000, commit_burst=1, revoke_commit_s=0.1, revoke_wait_s=0.05
-    )
-    broker.append(IN, 0, b"a", b"a0")
-    await h.start(TP0)
-    await until(lambda: outputs(broker) == [b"a0"])  # spends the only token
-    broker.append(IN, 0, b"b", b"b0" * 1000)
-    straggler(h)  # in progress (never decided here): b0 waits for a token
-    await until(lambda: h.service.partitions.owned[TP0].ledger.done_uncommitted == 1)
-    broker.commit_delay_s = 0.3
+    h, _ = await one_record_left_to_the_revoke(broker, b"b0" * 1000)  # the straggler stays
     await h.consumer.assign([])  # revoked, its commit cut short, not given back
     await until(lambda: TP0 not in h.service.partitions.owned)
     assert TP0 in h.service.partitions.unsure
@@ -355,16 +348,9 @@ async def test_a_commit_that_timed_out_and_failed_counts_only_its_redo(
     broker: FakeBroker,
 ) -> None:
     # The same commit timing out, but refused by the broker in the end: redone, counted once.
-    h, _ = await slow_commits(broker, 0.5)
-    broker.fail_commits = 1
-    broker.append(IN, 0, b"k", b"v")
-    await until(lambda: broker.fail_commits == 0)
-    broker.commit_delay_s = 0.0
+    h, _ = await one_timed_out_commit(broker, 0.5, lands=False)
     await until(lambda: len(outputs(broker)) == 1)
-    await h.stop()
-    assert outputs(broker) == [b"v"]
-    assert h.counted() == 1
-    assert h.processor.calls == [(0, 0), (0, 0)]
+    await stopped_having_published(h, [b"v"], calls=[(0, 0), (0, 0)])
 
 
 async def test_a_commit_that_timed_out_is_not_counted_when_another_owner_committed_the_same(
@@ -374,11 +360,7 @@ async def test_a_commit_that_timed_out_is_not_counted_when_another_owner_committ
     # partition's transactional id, redoes the record (counting it) and commits the very
     # offset and metadata this one would have. Taken over again, this replica must not
     # count the record a second time.
-    h, part = await slow_commits(broker, 0.5)
-    broker.fail_commits = 1
-    broker.append(IN, 0, b"k", b"v")
-    await until(lambda: broker.fail_commits == 0)
-    broker.commit_delay_s = 0.0
+    h, part = await one_timed_out_commit(broker, 0.5, lands=False)
     txn_id = part.producer.txn_id
     broker.epochs[txn_id] += 1  # the other owner's InitProducerId
     broker.committed[("g", TP0)] = OffsetAndMetadata(1, "")
@@ -446,8 +428,7 @@ async def test_a_cancelled_error_leaking_out_of_a_commit_is_a_failed_commit(
     h = Harness(broker)
     broker.append(IN, 0, b"k0", b"v0")
     await h.start(TP0)
-    for i in range(1, 6):
-        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    broker.append_numbered(IN, 0, range(1, 6))
     await until(lambda: ("g", TP0) in broker.committed)
     await until(lambda: broker.committed[("g", TP0)].offset == 6)
     assert leaked

@@ -1,23 +1,11 @@
-"""Lag and held-transaction gauges.
-
-Against the in-memory Kafka of tests/fake_kafka.py; the same behaviours run on the real
-broker in tests/integration."""
+"""Lag and held-transaction gauges."""
 
 from __future__ import annotations
 
 import asyncio
 
 from tests.fake_kafka import FakeBroker
-from tests.unit.engine.harness import (
-    IN,
-    TP0,
-    TP1,
-    Harness,
-    lag,
-    loop_turns,
-    outputs,
-    until,
-)
+from tests.unit.engine.harness import IN, TP0, TP1, Harness, lag, loop_turns, outputs, until
 
 
 async def test_lag_is_reported_from_assignment_on(broker: FakeBroker) -> None:
@@ -38,10 +26,7 @@ async def test_a_transaction_held_open_on_the_input_is_shown_while_the_lag_reads
     # A producer killed mid-transaction (a dlq redrive): the records behind its first one
     # are invisible to a read_committed consumer, and the lag, measured to the last stable
     # offset, reads 0. How long that offset has not moved is what shows it.
-    h = Harness(broker)
-    broker.append(IN, 0, b"k", b"v0")
-    await h.start(TP0)
-    await until(lambda: outputs(broker) == [b"v0"])
+    h = await Harness.published(broker)
     h.consumer.open_transaction_at[TP0] = 1
     broker.append(IN, 0, b"k", b"v1")  # the open transaction's record
     broker.append(IN, 0, b"k", b"v2")  # a producer's record behind it
@@ -118,12 +103,10 @@ async def test_lag_keeps_growing_while_the_partition_is_left_out_by_backpressure
     gate = asyncio.Event()
     for i in range(60):
         h.processor.gates[b"v%d" % i] = gate
-    for i in range(10):
-        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    broker.append_numbered(IN, 0, range(10))
     await h.start(TP0)
     await until(lambda: h.service.partitions.owned[TP0].backpressured)
-    for i in range(10, 60):
-        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    broker.append_numbered(IN, 0, range(10, 60))
     await until(lambda: lag(h) == 60)
     gate.set()
     await until(lambda: lag(h) == 0)
@@ -135,8 +118,7 @@ async def test_lag_is_zero_once_a_transactional_input_is_processed(broker: FakeB
     # offset and is never handed out: the committed offset stops on it, one short of
     # the end. With everything processed the lag is 0 (the fetch position), not 1.
     h = Harness(broker)
-    for i in range(3):
-        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    broker.append_numbered(IN, 0, range(3))
     broker.append_marker(IN, 0)
     await h.start(TP0)
     await until(lambda: len(outputs(broker)) == 3)
@@ -148,8 +130,7 @@ async def test_lag_never_waits_for_a_position_being_reset(broker: FakeBroker) ->
     # aiokafka's position() waits for an offset reset (request_timeout_ms, again and
     # again): the lag must not ask it, or the consume loop would stand still meanwhile.
     h = Harness(broker)
-    for i in range(3):
-        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    broker.append_numbered(IN, 0, range(3))
     broker.append_marker(IN, 0)
     broker.append(IN, 1, b"k", b"w")
     await h.start(TP0, TP1)

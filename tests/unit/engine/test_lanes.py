@@ -1,7 +1,4 @@
-"""Key lanes: concurrency across keys, order within a key, retries, stub dead letters.
-
-Against the in-memory Kafka of tests/fake_kafka.py; the same behaviours run on the real
-broker in tests/integration."""
+"""Key lanes: concurrency across keys, order within a key, retries, stub dead letters."""
 
 from __future__ import annotations
 
@@ -21,6 +18,7 @@ from tests.unit.engine.harness import (
     TP0,
     TP1,
     Harness,
+    assert_held_at,
     loop_turns,
     outputs,
     until,
@@ -53,9 +51,7 @@ async def test_a_stuck_record_holds_neither_other_keys_nor_other_partitions(
     await h.start(TP0, TP1)
     await until(lambda: sorted(outputs(broker)) == [b"y0", b"z0"])
     # The committed offset stays at the stuck record; the metadata says 1 is done.
-    committed = broker.committed[("g", TP0)]
-    assert committed.offset == 0
-    assert committed.metadata.startswith("crs1:")
+    assert_held_at(broker, 0)
     gate.set()
     await until(lambda: len(outputs(broker)) == 3)
     await h.stop()
@@ -186,8 +182,7 @@ async def test_thousands_of_waiting_lanes_drain_without_recursion(broker: FakeBr
     h = Harness(broker, key_concurrency=1, max_in_flight=5000, max_batch=5000)
     gate = h.processor.gates[b"first"] = asyncio.Event()
     broker.append(IN, 0, b"k", b"first")
-    for i in range(3000):
-        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    broker.append_numbered(IN, 0, range(3000))
     await h.start(TP0)
     await until(lambda: len(h.service.partitions.owned[TP0].ready) == 3000)
     gate.set()

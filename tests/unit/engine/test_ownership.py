@@ -1,7 +1,4 @@
-"""Partition ownership: take-over, fencing, re-acquisition, replays.
-
-Against the in-memory Kafka of tests/fake_kafka.py; the same behaviours run on the real
-broker in tests/integration."""
+"""Partition ownership: take-over, fencing, re-acquisition, replays."""
 
 from __future__ import annotations
 
@@ -145,8 +142,7 @@ async def test_a_partition_taken_over_twice_keeps_only_the_newer_producer(
     # The second InitProducerId fenced the first producer: the first part must go, not
     # stay beside the new one with its committer and producer.
     h = Harness(broker)
-    for i in range(5):
-        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    broker.append_numbered(IN, 0, range(5))
     await h.start(TP0)
     await until(lambda: len(outputs(broker)) == 5)
     first = h.service.partitions.owned[TP0]
@@ -155,8 +151,7 @@ async def test_a_partition_taken_over_twice_keeps_only_the_newer_producer(
     assert second is not first
     assert first.closed
     assert first.producer.stopped
-    for i in range(5, 10):
-        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    broker.append_numbered(IN, 0, range(5, 10))
     await until(lambda: len(outputs(broker)) == 10)
     assert sorted(outputs(broker)) == sorted(b"v%d" % i for i in range(10))
     await h.stop()
@@ -205,8 +200,7 @@ async def test_a_slow_take_over_goes_on_after_the_assignment_callback_returns(
     # than the session timeout (a transaction coordinator still loading) must not hold it.
     h = Harness(broker, assign_wait_s=0.05)
     broker.init_delay_s = 0.5
-    for i in range(5):
-        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    broker.append_numbered(IN, 0, range(5))
     started = now()
     await h.start(TP0)
     assert now() - started < 0.4
@@ -319,8 +313,7 @@ async def test_a_committer_that_crashes_is_taken_over_again(
         real(bucket)
 
     monkeypatch.setattr(committer_module.TokenBucket, "take", take_once)
-    for i in range(1, 21):
-        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    broker.append_numbered(IN, 0, range(1, 21))
     await until(lambda: broker.committed[("g", TP0)].offset == 21)
     assert crashed
     assert sorted(outputs(broker)) == sorted(b"v%d" % i for i in range(21))  # each once
@@ -359,8 +352,7 @@ async def test_records_below_the_end_offset_at_the_take_over_are_processed_as_re
     # Those may have been processed by the partition's previous owner, whose write a
     # watch cache may not show yet: the Recorder reads the host fresh for them. Records
     # that arrive later were never anyone else's.
-    for i in range(3):
-        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    broker.append_numbered(IN, 0, range(3))
     broker.committed[("g", TP0)] = OffsetAndMetadata(1, "")
     h = Harness(broker)
     await h.start(TP0)

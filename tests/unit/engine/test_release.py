@@ -1,7 +1,4 @@
-"""Releasing partitions: revoke and close commit what is decided, once.
-
-Against the in-memory Kafka of tests/fake_kafka.py; the same behaviours run on the real
-broker in tests/integration."""
+"""Releasing partitions: revoke and close commit what is decided, once."""
 
 from __future__ import annotations
 
@@ -11,15 +8,7 @@ import contextlib
 import pytest
 
 from tests.fake_kafka import FakeBroker
-from tests.unit.engine.harness import (
-    IN,
-    TP0,
-    TP1,
-    Harness,
-    now,
-    outputs,
-    until,
-)
+from tests.unit.engine.harness import IN, TP0, TP1, Harness, now, one_hanging_commit, outputs, until
 
 
 async def test_close_leaves_the_group_even_when_its_last_commit_is_cut_short(
@@ -27,13 +16,8 @@ async def test_close_leaves_the_group_even_when_its_last_commit_is_cut_short(
 ) -> None:
     # The shutdown budget cancels close() while the final commit hangs on a broker in
     # trouble; the consumer must still be stopped (LeaveGroup: partitions move at once).
-    h = Harness(broker, commit_timeout_s=30.0)
-    await h.start(TP0)
-    await h.part()
-    broker.commit_delay_s = 60.0
-    broker.append(IN, 0, b"k", b"v")
-    await until(lambda: "commit" in h.service.partitions.owned[TP0].producer.calls)
-    consumer, producer = h.consumer, h.service.partitions.owned[TP0].producer
+    h, part = await one_hanging_commit(broker, 60.0, commit_timeout_s=30.0)
+    consumer, producer = h.consumer, part.producer
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(h.service.close(), 0.2)
     assert consumer.stopped
@@ -77,13 +61,10 @@ async def test_a_revoke_does_not_wait_for_its_producers_to_close(broker: FakeBro
     # Closing a producer whose commit was cut short waits for the broker; inside the
     # rebalance (no heartbeat) that must not add to the revoke's bound. They close in
     # the background, and close() still waits for them.
-    h = Harness(broker, revoke_wait_s=0.1, revoke_commit_s=0.2, commit_timeout_s=30.0)
-    await h.start(TP0)
-    part = await h.part()
-    broker.commit_delay_s = 1.0
     broker.stop_delay_s = 2.0
-    broker.append(IN, 0, b"k", b"v")
-    await until(lambda: "commit" in part.producer.calls)
+    h, part = await one_hanging_commit(
+        broker, 1.0, revoke_wait_s=0.1, revoke_commit_s=0.2, commit_timeout_s=30.0
+    )
     started = now()
     await h.consumer.assign([])
     assert now() - started < 0.6
@@ -97,12 +78,7 @@ async def test_a_release_cancelled_mid_commit_leaves_no_commit_running(
 ) -> None:
     # The shutdown budget cancels run() while its release waits for a hanging commit:
     # the release's own commit tasks must end with it, not go on beside close().
-    h = Harness(broker)
-    await h.start(TP0)
-    part = await h.part()
-    broker.commit_delay_s = 1.0
-    broker.append(IN, 0, b"k", b"v")
-    await until(lambda: "commit" in part.producer.calls)
+    h, _ = await one_hanging_commit(broker, 1.0)
     h.service.request_stop()
     # run() is releasing: its last commit waits for the hanging one.
     await until(lambda: any("_last_commit" in repr(t.get_coro()) for t in asyncio.all_tasks()))
@@ -148,8 +124,7 @@ async def test_no_transaction_begins_after_a_releases_last_commit(broker: FakeBr
 
 async def test_revoke_commits_what_is_decided_and_closes_the_producer(broker: FakeBroker) -> None:
     h = Harness(broker)
-    for i in range(4):
-        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    broker.append_numbered(IN, 0, range(4))
     await h.start(TP0)
     await until(lambda: h.service.processed == 4)
     producer = h.service.partitions.owned[TP0].producer

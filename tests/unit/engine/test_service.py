@@ -1,7 +1,4 @@
-"""The facade's fetch loop: pacing, back-pressure, failing fetches, ended clients.
-
-Against the in-memory Kafka of tests/fake_kafka.py; the same behaviours run on the real
-broker in tests/integration."""
+"""The facade's fetch loop: pacing, back-pressure, failing fetches, ended clients."""
 
 from __future__ import annotations
 
@@ -14,16 +11,7 @@ from service.stream.engine import (
     KafkaClientEnded,
 )
 from tests.fake_kafka import FakeBroker
-from tests.unit.engine.harness import (
-    IN,
-    TP0,
-    Harness,
-    lag,
-    loop_turns,
-    now,
-    outputs,
-    until,
-)
+from tests.unit.engine.harness import IN, TP0, Harness, lag, loop_turns, now, outputs, until
 
 
 async def test_fetch_linger_paces_fetches_that_bring_records_only(broker: FakeBroker) -> None:
@@ -150,8 +138,7 @@ async def test_an_ended_client_task_commits_the_work_in_hand_and_ends_run(
     # fetch task has, getmany() returns nothing, for good, and nothing looked wrong.
     h = Harness(broker, stop_wait_s=5.0)
     gate = h.processor.gates[b"v1"] = asyncio.Event()
-    for i in range(3):
-        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+    broker.append_numbered(IN, 0, range(3))
     await h.start(TP0)
     await until(lambda: sorted(outputs(broker)) == [b"v0", b"v2"])
     if task == "fetching":
@@ -181,10 +168,7 @@ async def test_a_heartbeat_ended_during_a_rebalance_is_left_to_aiokafka(
 ) -> None:
     # aiokafka drops a heartbeat task that ended while it rejoins and starts a new one
     # after the join: no sign of trouble reaches getmany(), so the client goes on.
-    h = Harness(broker)
-    broker.append(IN, 0, b"k", b"v0")
-    await h.start(TP0)
-    await until(lambda: outputs(broker) == [b"v0"])
+    h = await Harness.published(broker)
     ended = asyncio.get_running_loop().create_future()
     ended.set_exception(KafkaError("Heartbeat failed"))
     h.consumer._coordinator._heartbeat_task = ended

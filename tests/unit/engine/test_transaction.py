@@ -1,7 +1,4 @@
-"""Transactions opened ahead while a partition waits on the API.
-
-Against the in-memory Kafka of tests/fake_kafka.py; the same behaviours run on the real
-broker in tests/integration."""
+"""Transactions opened ahead while a partition waits on the API."""
 
 from __future__ import annotations
 
@@ -18,6 +15,7 @@ from tests.unit.engine.harness import (
     TP0,
     Harness,
     ahead_count,
+    assert_held_at,
     loop_turns,
     one_waiting_record,
     out_tp,
@@ -106,9 +104,7 @@ async def test_an_offset_that_moved_while_open_ahead_is_sent_again(broker: FakeB
     broker.append(IN, 0, b"y", b"y0")  # decided at once, behind the stuck x0
     await until(lambda: outputs(broker) == [b"y0"])
     assert producer.calls == ["begin", "offsets", "send", "offsets", "commit"]
-    committed = broker.committed[("g", TP0)]
-    assert committed.offset == 0
-    assert committed.metadata.startswith("crs1:")
+    assert_held_at(broker, 0)
     gate.set()
     await until(lambda: len(outputs(broker)) == 2)
     await h.stop()
