@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import selectors
+import time
 from typing import Any
 
 
@@ -14,7 +15,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def __init__(self) -> None:
         super().__init__(_VirtualSelector(self))
-        self._virtual_now = 0.0
+        self._virtual_now = time.monotonic()  # from where the real loop's clock is
 
     def time(self) -> float:
         return self._virtual_now
