@@ -424,6 +424,8 @@ def agreement(now: dict[str, Any], before: dict[str, Any]) -> list[str]:
     for key, modes in now["figures"].items():
         for mode, f in modes.items():
             for name in ("p50", "p99", "cpu_us"):
+                if name not in f:
+                    continue
                 a = f[name]
                 b = before["figures"].get(key, {}).get(mode, {}).get(name)
                 if b is None:

@@ -263,7 +263,15 @@ async def wait_all_committed(
     committed: dict[int, int] = {}
     while time.monotonic() < deadline:
         r.assert_running()
-        committed = await e2e.committed_offsets(bootstrap, group, topic)
+        try:
+            committed = await e2e.committed_offsets(bootstrap, group, topic)
+        except KafkaError as exc:
+            # The coordinator moving or loading (after a frozen broker thaws) answers
+            # NOT_COORDINATOR for a while; the replicas meet it too and retry.
+            if not exc.retriable:
+                raise
+            await asyncio.sleep(0.5)
+            continue
         if all(committed.get(p, -1) >= ends[p] for p in ends):
             return ends
         await asyncio.sleep(0.5)
