@@ -170,7 +170,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
             "whatever was decided meanwhile; with nothing else in progress a decided "
             "record is committed at once",
         ),
-    ] = 100
+    ] = 30
     commit_burst: Annotated[
         PositiveInt,
         _env(
@@ -255,7 +255,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
             "taken in batches (fewer requests and transactions), an idle loop takes the next "
             "record at once",
         ),
-    ] = 20
+    ] = 5
     commit_timeout_s: Annotated[
         PositiveFloat,
         _env(

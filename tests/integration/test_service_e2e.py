@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -18,6 +19,7 @@ from service.k8s.client import FENCE_ANNOTATION
 from tests import e2e
 from tests import factories as f
 from tests.conftest import DevStack
+from tests.hold_proxy import HoldProxy
 
 pytestmark = pytest.mark.integration
 
@@ -192,43 +194,62 @@ async def test_probes_report_readiness(
 
 
 async def test_commits_are_triggered_by_count_and_paced_by_the_interval(
-    devstack: DevStack, clean_k8s: Any, new_topic: Any
+    devstack: DevStack, clean_k8s: Any, new_topic: Any, tmp_path: Path
 ) -> None:
     """CRS_COMMIT_BURST, CRS_COMMIT_MAX_RECORDS and CRS_COMMIT_INTERVAL_MS on the real
-    stack (one partition, events that need no API call): the first output of a quiet
-    partition is committed at once (its saved commit), five decided records are committed
-    at once by count, a lone record after them waits for the interval (60 s here), and a
-    stop commits it."""
+    stack (one partition, the API server behind a proxy that can hold a PATCH): the first
+    output of a quiet partition is committed at once (its saved commit), five decided
+    records at once by count, a lone record with nothing else in progress at once
+    although no token is left; while a placement's PATCH is held (the partition under
+    load) a decided record waits for the interval (60 s here), and when the PATCH lands
+    both are committed."""
     await e2e.seed_region(clean_k8s)
     topics = await e2e.new_topics(new_topic, 1)
     boot = devstack.kafka_bootstrap
-    cfg = e2e.config(
-        devstack,
-        topics,
-        CRS_COMMIT_INTERVAL_MS="60000",
-        CRS_COMMIT_BURST="1",
-        CRS_COMMIT_MAX_RECORDS="5",
-    )
+    upstream = int(devstack.apiserver.rsplit(":", 1)[1])
+    async with HoldProxy(upstream, devstack.run_dir / "pki") as proxy:
+        cfg = e2e.config(
+            devstack,
+            topics,
+            KUBECONFIG=str(proxy.kubeconfig(tmp_path / "held.kubeconfig")),
+            CRS_K8S_TIMEOUT_S="600",  # the held PATCH must not time out and be re-sent
+            CRS_COMMIT_INTERVAL_MS="60000",
+            CRS_COMMIT_BURST="1",
+            CRS_COMMIT_MAX_RECORDS="5",
+        )
 
-    def events(n: int) -> list[Any]:
-        return [e2e.good_record(*e2e.outcome(None, ["hv-3"])) for _ in range(n)]
+        def events(n: int) -> list[Any]:
+            return [e2e.good_record(*e2e.outcome(None, ["hv-3"])) for _ in range(n)]
 
-    async with e2e.running(cfg) as runtime:
-        await e2e.publish(boot, topics["input"], events(1))
-        assert len(await e2e.read_all(boot, topics["output"], 1, timeout_s=20)) == 1
-        await e2e.publish(boot, topics["input"], events(5))
-        assert len(await e2e.read_all(boot, topics["output"], 6, timeout_s=20)) == 6
-        await e2e.publish(boot, topics["input"], events(1))
+        async with e2e.running(cfg) as runtime:
 
-        # The histogram is observed when an event is decided (its count: all 7 decided).
-        deadline = time.monotonic() + 20
-        while runtime.metrics.registry.get_sample_value("crs_processing_seconds_count") != 7:
-            assert time.monotonic() < deadline, "the lone record was never decided"
-            await asyncio.sleep(0.05)
-        # Decided, then held: no saved commit, one record < 5.
-        assert len(await e2e.read_all(boot, topics["output"], 7, timeout_s=3)) == 6
-    # The stop committed it.
-    assert len(await e2e.read_all(boot, topics["output"], 7, timeout_s=10)) == 7
+            async def decided(n: int) -> None:
+                # The histogram is observed when an event is decided.
+                deadline = time.monotonic() + 20
+                metric = "crs_processing_seconds_count"
+                while runtime.metrics.registry.get_sample_value(metric) != n:
+                    assert time.monotonic() < deadline, f"{n} events never decided"
+                    await asyncio.sleep(0.05)
+
+            await e2e.publish(boot, topics["input"], events(1))
+            assert len(await e2e.read_all(boot, topics["output"], 1, timeout_s=20)) == 1
+            await e2e.publish(boot, topics["input"], events(5))
+            assert len(await e2e.read_all(boot, topics["output"], 6, timeout_s=20)) == 6
+            await e2e.publish(boot, topics["input"], events(1))  # no token, nothing else
+            assert len(await e2e.read_all(boot, topics["output"], 7, timeout_s=20)) == 7
+
+            proxy.armed = True
+            placement = e2e.good_record(*e2e.outcome("hv-1", ["hv-1"]))
+            await e2e.publish(boot, topics["input"], [placement])
+            async with asyncio.timeout(30):
+                await proxy.held_event.wait()
+            await e2e.publish(boot, topics["input"], events(1))
+            await decided(8)  # the lone record, decided while the placement is held
+            # Decided, then held: a record in progress, no token, one record < 5.
+            assert len(await e2e.read_all(boot, topics["output"], 9, timeout_s=3)) == 7
+            assert (await proxy.release()).startswith("HTTP/1.1 200")
+            outputs = await e2e.read_all(boot, topics["output"], 9, timeout_s=20)
+            assert len(outputs) == 9  # the placement decided: nothing in progress
 
 
 async def test_one_record_in_flight_at_a_time_keeps_flowing(

@@ -112,7 +112,10 @@ class StreamService(KeyLanes, Committer, Ownership, Lag):
         # events/s: the broker 0.53 -> 0.30 cores with batching and the commit interval).
         # So after a fetch that brought records the next one waits until fetch_linger has
         # passed: at low rates (records further apart than that) nothing waits, under load
-        # records are taken in batches of a linger's worth.
+        # records are taken in batches of a linger's worth. The linger is a latency every
+        # record pays at moderate rates, though: at 100 events/s 20 ms (with a 100 ms
+        # commit interval) made the service's p50 45 ms against 8 ms for an exactly-once
+        # loop that writes first (bench_latency.py); 5 ms (with 30 ms) gave 11 ms.
         linger = self._s.fetch_linger_ms / 1000
         next_fetch = 0.0
         polled = self._clock()
