@@ -150,6 +150,14 @@ async def test_commit_by_time_at_most_once_per_interval(broker: FakeBroker) -> N
     await h.stop()
 
 
+async def committed_one_by_one(h: Harness, n: int) -> None:
+    """Append ``n`` records to partition 0, each once the previous one's output is
+    committed (k0/v0, k1/v1, ...)."""
+    for i in range(n):
+        h.broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
+        await until(lambda n=i + 1: len(outputs(h.broker)) == n, limit_s=2)  # type: ignore[misc]
+
+
 async def test_a_quiet_partition_commits_a_burst_at_once_then_is_paced(
     broker: FakeBroker,
 ) -> None:
@@ -158,9 +166,7 @@ async def test_a_quiet_partition_commits_a_burst_at_once_then_is_paced(
         broker, commit_interval_ms=1000, commit_burst=3, commit_max_records=1000
     )
     await h.start(TP0)
-    for i in range(3):  # one by one, each after the previous one's commit
-        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
-        await until(lambda n=i + 1: len(outputs(broker)) == n, limit_s=2)  # type: ignore[misc]
+    await committed_one_by_one(h, 3)
     commits = broker.commits
     gate = straggler(h)  # under load from here on
     broker.append(IN, 0, b"k3", b"v3")
@@ -185,9 +191,7 @@ async def test_a_partition_with_nothing_else_in_progress_commits_at_once_without
         broker, commit_interval_ms=60_000, commit_burst=1, commit_max_records=1000
     )
     await h.start(TP0)
-    for i in range(4):  # one by one, each after the previous one's commit
-        broker.append(IN, 0, b"k%d" % i, b"v%d" % i)
-        await until(lambda n=i + 1: len(outputs(broker)) == n, limit_s=2)  # type: ignore[misc]
+    await committed_one_by_one(h, 4)
     assert h.uncommitted() == 0
     await h.stop()
 
