@@ -313,6 +313,12 @@ class SeedReport:
         )
 
 
+def allocations_of(obj: dict[str, Any]) -> dict[str, Any]:
+    """A Reservation's allocations by VM ({} when it has none), from its API JSON."""
+    spec = obj.get("spec") or {}
+    return (spec.get("committedResourceReservation") or {}).get("allocations") or {}
+
+
 class Cluster:
     """Seeding and resetting the benchmark cluster through the API server.
 
@@ -458,8 +464,7 @@ class Cluster:
         """The allocations of Reservation ``name`` by VM ({} when it has none or is not
         found): what a benchmark checks its writes against."""
         status, raw = await self.call("GET", self.url("reservations", name))
-        spec = (json.loads(raw).get("spec") or {}) if status == 200 else {}
-        return (spec.get("committedResourceReservation") or {}).get("allocations") or {}
+        return allocations_of(json.loads(raw)) if status == 200 else {}
 
     async def clear_allocations(self, names: Iterable[str]) -> None:
         """Remove the allocations of these Reservations (so repeated runs write alike)."""

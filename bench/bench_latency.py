@@ -64,7 +64,7 @@ import statistics
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +76,7 @@ from _common import (
     OutputReader,
     Record,
     WorkloadError,
-    cores_between,
-    cpu_by_role,
+    allocations_of,
     cpu_seconds,
     create_topics,
     delete_topics,
@@ -158,10 +157,6 @@ async def list_part(cluster: Cluster, mode: str) -> list[dict[str, Any]]:
     status, body = await cluster.call("GET", url)
     check_workload(status == 200, f"listing part {mode}: {status}")
     return list(json.loads(body)["items"])
-
-
-def allocations_of(obj: dict[str, Any]) -> dict[str, Any]:
-    return (obj["spec"].get("committedResourceReservation") or {}).get("allocations") or {}
 
 
 async def ensure_part(cluster: Cluster, mode: str, hosts: int) -> str:
@@ -285,7 +280,6 @@ class Run:
     lat: list[float]  # s, per timed record, in publish order
     kinds: list[bool]  # True: a placement
     cpu_per_event: float  # s of the consuming process
-    cores: dict[str, float] = field(default_factory=dict)
 
     def of(self, placement: bool | None) -> list[float]:
         if placement is None:
@@ -337,10 +331,10 @@ async def one_run(
         warm = await publish_paced(bootstrap, topics["input"], stream.warm, rate)
         if not await reader.wait_for(warm, 120):
             raise WorkloadError(f"{mode} at {rate:g}/s: warm-up outputs missing (log {log})")
-        cpu0, role0, t0 = cpu_seconds(proc.pid), cpu_by_role(), time.monotonic()
+        cpu0 = cpu_seconds(proc.pid)
         sent = await publish_paced(bootstrap, topics["input"], stream.timed, rate)
         drained = await reader.wait_for(sent, max(120.0, 4 * args.seconds))
-        cpu1, role1, t1 = cpu_seconds(proc.pid), cpu_by_role(), time.monotonic()
+        cpu1 = cpu_seconds(proc.pid)
         await asyncio.sleep(0.5)  # one output too many shows up too
         check_workload(proc.poll() is None, f"{mode} exited with {proc.returncode} (log {log})")
         missing = len(set(sent) - set(reader.seen))
@@ -373,7 +367,7 @@ async def one_run(
             check_workload(kinds <= worst, f"service classified the outcomes as {kinds}")
         kinds = [k.decode() in stream.placed for k in sent]
         lat = [reader.seen[k] - t for k, t in sent.items()]
-        run = Run(lat, kinds, (cpu1 - cpu0) / len(sent), cores_between(role0, role1, t1 - t0))
+        run = Run(lat, kinds, (cpu1 - cpu0) / len(sent))
         print(
             f"    {mode:7s} {rate:4g}/s{'' if placements else ' none'} rep {rep}: "
             f"p50 {pct(lat, 0.5) * 1e3:6.1f} p99 {pct(lat, 0.99) * 1e3:7.1f} ms "

@@ -94,11 +94,12 @@ class Part:
 
     @staticmethod
     def _update(slot: Slot, obj: dict[str, Any]) -> None:
-        spec = obj["spec"]
-        allocations = (spec.get("committedResourceReservation") or {}).get("allocations") or {}
+        from _common import allocations_of  # the service's modules only for the bound
+
+        allocations = allocations_of(obj)
         used = sum(quantity_bytes(a["resources"]["memory"]) for a in allocations.values())
         slot.version = obj["metadata"]["resourceVersion"]
-        slot.left = quantity_bytes(spec["resources"]["memory"]) - used
+        slot.left = quantity_bytes(obj["spec"]["resources"]["memory"]) - used
 
     def pick(self, host: str, need: int) -> Slot | None:
         """pick_slot's order: most coverage, then the tightest fit, then the name; the
