@@ -26,12 +26,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from service.app.config import Config
 from service.stream.codec import clip
 
-__all__ = ["Reloaded", "SecretFiles", "new_secret_reload_counter"]
+__all__ = ["Reloaded", "SecretFiles", "SecretMetrics", "new_secret_metrics"]
 
 log = structlog.get_logger(__name__)
 
@@ -40,8 +40,18 @@ Fingerprint = dict[str, str | None]
 RESULTS = ("applied", "invalid")
 
 
-def new_secret_reload_counter(registry: CollectorRegistry) -> Counter:
-    counter = Counter(
+@dataclass(frozen=True)
+class SecretMetrics:
+    """The rotation's series: the changes acted on, and whether the files are refused now."""
+
+    reloads: Counter
+    # A counter says a change was refused once; an alert needs the state, which lasts
+    # until the files load (or are back to what the clients were built from).
+    refused: Gauge
+
+
+def new_secret_metrics(registry: CollectorRegistry) -> SecretMetrics:
+    reloads = Counter(
         "crs_secret_reloads",
         "Changes of the TLS/SASL secret files acted on: applied (the Kafka clients were "
         "rebuilt with them) or invalid (they did not load; the running clients were kept)",
@@ -49,8 +59,15 @@ def new_secret_reload_counter(registry: CollectorRegistry) -> Counter:
         registry=registry,
     )
     for result in RESULTS:  # both series from the start: increase() sees the first one
-        counter.labels(result)
-    return counter
+        reloads.labels(result)
+    refused = Gauge(
+        "crs_secret_files_refused",
+        "1 while the TLS/SASL secret files have changed and do not load: the Kafka clients "
+        "keep the material they were built with, until it expires; 0 once the files load "
+        "or are back to that material",
+        registry=registry,
+    )
+    return SecretMetrics(reloads, refused)
 
 
 def fingerprint(paths: Mapping[str, str]) -> Fingerprint:
@@ -77,8 +94,8 @@ class SecretFiles:
 
     ``files``: variable (``KAFKA_SSL_CERTFILE``, ``KAFKA_SASL_PASSWORD_FILE``...) -> path.
     ``load`` reads the whole configuration again (raising when it does not load);
-    ``counter``: ``crs_secret_reloads_total``; ``sleep``: the poll's wait (a fake clock's in
-    unit tests).
+    ``metrics``: the series it keeps (:func:`new_secret_metrics`); ``sleep``: the poll's
+    wait (a fake clock's in unit tests).
     """
 
     def __init__(
@@ -87,13 +104,13 @@ class SecretFiles:
         load: Callable[[], Config],
         *,
         interval_s: float,
-        counter: Counter | None = None,
+        metrics: SecretMetrics | None = None,
         sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
     ) -> None:
         self.files = dict(files)
         self._load = load
         self.interval_s = interval_s
-        self.counter = counter
+        self.metrics = metrics
         self._sleep = sleep
         # The content the current configuration was read from: empty until the first
         # load, so a poll before it reads the files once.
@@ -109,7 +126,12 @@ class SecretFiles:
         before = fingerprint(self.files)
         config = self._load()
         self._baseline, self._refused = before, None
+        self._set_refused(False)
         return config
+
+    def _set_refused(self, refused: bool) -> None:
+        if self.metrics is not None:
+            self.metrics.refused.set(1 if refused else 0)
 
     def poll(self) -> Reloaded | None:
         """One check: the reloaded configuration when the files changed and load, else
@@ -117,6 +139,9 @@ class SecretFiles:
         and retried at each poll until it does)."""
         now = fingerprint(self.files)
         if all(now[p] == self._baseline.get(p, "") for p in self.files.values()):
+            # Unchanged, or back to the content the clients were built from.
+            self._refused = None
+            self._set_refused(False)
             return None
         files = [
             f"{name}={path}"
@@ -134,15 +159,17 @@ class SecretFiles:
                     error=clip(f"{type(exc).__name__}: {exc}"),
                     hint="keeping the running Kafka clients; retried at the next poll",
                 )
-                if self.counter is not None:
-                    self.counter.labels("invalid").inc()
+                if self.metrics is not None:
+                    self.metrics.reloads.labels("invalid").inc()
             self._refused = now
+            self._set_refused(True)
             return None
         # Hashed before the load: content changed since is seen at the next poll.
         self._baseline, self._refused = now, None
+        self._set_refused(False)
         log.info("secret_files_changed", files=files, action="rebuilding the Kafka clients")
-        if self.counter is not None:
-            self.counter.labels("applied").inc()
+        if self.metrics is not None:
+            self.metrics.reloads.labels("applied").inc()
         return Reloaded(config, files)
 
     async def next_change(self) -> Reloaded:

@@ -25,7 +25,6 @@ from typing import Any, TypedDict
 
 import aiohttp
 import structlog
-from prometheus_client import Counter
 
 from service import backoff
 from service.app.audit import watch_invariants
@@ -33,7 +32,7 @@ from service.app.config import Config, ConfigError
 from service.app.http import HealthChecks, HttpServer, LoopWatchdog
 from service.app.kafka_access import KafkaAccessDenied
 from service.app.kafka_access import ensure_access as ensure_kafka_access
-from service.app.rotation import Reloaded, SecretFiles, new_secret_reload_counter
+from service.app.rotation import Reloaded, SecretFiles, SecretMetrics, new_secret_metrics
 from service.crs import Recorder
 from service.crs.invariants import KINDS
 from service.crs.ports import ApiError
@@ -144,7 +143,7 @@ class _Front:
     watchdog_task: asyncio.Task[None]
     metrics: StreamMetrics
     k8s_metrics: K8sMetrics
-    secret_reloads: Counter
+    secrets: SecretMetrics
     kube: tuple[KubeClient, ListClusterState | WatchClusterState, tuple[object, ...]] | None
 
 
@@ -169,10 +168,10 @@ class Runtime:
                 # Every kind at 0 from the first scrape on (the monitor sets them later).
                 for kind in KINDS:
                     self.metrics.invariant_violations.labels(kind)
-            self.secret_reloads = new_secret_reload_counter(self.metrics.registry)
+            self.secrets = new_secret_metrics(self.metrics.registry)
         else:
             self.metrics, self.k8s_metrics = front.metrics, front.k8s_metrics
-            self.secret_reloads = front.secret_reloads
+            self.secrets = front.secrets
             self.http, self.watchdog, self._watchdog_task = (
                 front.http,
                 front.watchdog,
@@ -302,7 +301,7 @@ class Runtime:
                 self._watchdog_task,
                 self.metrics,
                 self.k8s_metrics,
-                self.secret_reloads,
+                self.secrets,
                 kube,
             )
         successor = Runtime(config or self.config, front=front)
@@ -500,7 +499,7 @@ async def run_service(
         config = _reloaded(reload) or config
     runtime = Runtime(config)
     if watcher is not None:
-        watcher.counter = runtime.secret_reloads
+        watcher.metrics = runtime.secrets
     restarts = rotations = 0
     jitter = random.Random()
     while True:

@@ -240,6 +240,8 @@ async def test_a_credential_rotated_under_load_is_used_and_no_output_is_lost_or_
         broken = identity.half_written()
         invalid = await logged(log, "secret_reload_invalid", timeout_s=20)
         assert any(f.startswith(f"{broken}=") for f in invalid["files"]), invalid
+        refused = await e2e.metrics_at(started["http_port"])
+        assert refused[("crs_secret_files_refused", ())] == 1
         await publisher.reached(2 * RECORDS // 5)
         assert e2e.log_events(log, "kafka_clients_rebuilding") == []
 
@@ -285,6 +287,7 @@ async def test_a_credential_rotated_under_load_is_used_and_no_output_is_lost_or_
 
     assert sample("crs_secret_reloads_total", result="applied") == 1
     assert sample("crs_secret_reloads_total", result="invalid") == 1
+    assert sample("crs_secret_files_refused") == 0  # the rotation loaded
     assert sample("crs_kafka_client_restarts_total") == 0  # a rebuild, not a failure
     # One rebuild, no other start: the old clients left before the new ones joined.
     assert len(e2e.log_events(log, "service_started")) == 2

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from service.app import runtime as runtime_module
 from service.app.config import Config, secret_files
-from service.app.rotation import SecretFiles, new_secret_reload_counter
+from service.app.rotation import SecretFiles, SecretMetrics, new_secret_metrics
 from service.stream.metrics import StreamMetrics
 from tests.secret_volume import SecretVolume
 
@@ -70,15 +70,19 @@ def watcher(mount: Mount, **kw: Any) -> tuple[SecretFiles, list[str], Any]:
         loads.append("load")
         return Config.load(env=env)
 
-    counter = new_secret_reload_counter(CollectorRegistry())
+    metrics = new_secret_metrics(CollectorRegistry())
     files = secret_files(Config.load(env=env), env=env)
-    w = SecretFiles(files, load, interval_s=30, counter=counter, **kw)
+    w = SecretFiles(files, load, interval_s=30, metrics=metrics, **kw)
     w.load()
-    return w, loads, counter
+    return w, loads, metrics
 
 
-def count(counter: Any, result: str) -> float:
-    return float(counter.labels(result)._value.get())
+def count(metrics: SecretMetrics, result: str) -> float:
+    return float(metrics.reloads.labels(result)._value.get())
+
+
+def refused(metrics: SecretMetrics) -> float:
+    return float(metrics.refused._value.get())
 
 
 def test_the_watched_files_are_the_tls_files_and_the_secret_files(tmp_path: Path) -> None:
@@ -160,13 +164,17 @@ def test_invalid_material_is_refused_once_and_retried_until_it_loads(
         {"user.crt": v2["user.crt"], "user.key": v2["user.key"]},
     ]
     with structlog.testing.capture_logs() as logs:
+        assert refused(counter) == 0
         for files in broken:
             mount.publish(files)
             assert w.poll() is None
+            assert refused(counter) == 1  # the state an alert sees, while it lasts
             assert w.poll() is None  # the same content again: not counted, not logged
+            assert refused(counter) == 1
         mount.publish(v2)
         reloaded = w.poll()
     assert reloaded is not None
+    assert refused(counter) == 0
     assert reloaded.config.ssl_key_password == "second-s3cret"
     assert count(counter, "invalid") == 3
     assert count(counter, "applied") == 1
@@ -181,6 +189,21 @@ def test_invalid_material_is_refused_once_and_retried_until_it_loads(
     assert len(loads) == 1 + 6 + 1  # every poll of a broken state tried to load it
 
 
+def test_files_back_to_the_material_in_use_are_no_longer_refused(
+    mount: Mount, material: dict[str, dict[str, bytes]]
+) -> None:
+    w, loads, metrics = watcher(mount)
+    v1, v2 = material["v1"], material["v2"]
+    mount.publish({**v2, "user.password": v1["user.password"]})
+    assert w.poll() is None
+    assert refused(metrics) == 1
+    mount.publish(v1)  # the rotation rolled back: the clients run on what is on disk
+    assert w.poll() is None
+    assert refused(metrics) == 0
+    assert (count(metrics, "invalid"), count(metrics, "applied")) == (1, 0)
+    assert len(loads) == 2  # the rollback is no change: nothing was loaded for it
+
+
 def test_a_changed_sasl_password_file_is_a_rotation_and_an_empty_one_is_refused(
     tmp_path: Path,
 ) -> None:
@@ -193,8 +216,8 @@ def test_a_changed_sasl_password_file_is_a_rotation_and_an_empty_one_is_refused(
         "KAFKA_SASL_PASSWORD_FILE": volume.path("password"),
     }
     files = secret_files(Config.load(env=env), env=env)
-    counter = new_secret_reload_counter(CollectorRegistry())
-    w = SecretFiles(files, lambda: Config.load(env=env), interval_s=30, counter=counter)
+    counter = new_secret_metrics(CollectorRegistry())
+    w = SecretFiles(files, lambda: Config.load(env=env), interval_s=30, metrics=counter)
     assert w.load().sasl_password == "first"
     volume.publish({"password": b""})  # truncated while being written: no password at all
     assert w.poll() is None
@@ -254,7 +277,7 @@ class Generation:
     def __init__(self, config: Config, log: list[str], n: int = 0) -> None:
         self.config, self.log, self.n = config, log, n
         self.metrics = StreamMetrics()
-        self.secret_reloads = new_secret_reload_counter(self.metrics.registry)
+        self.secrets = new_secret_metrics(self.metrics.registry)
         self.stopping = asyncio.Event()
 
     async def start(self) -> None:
@@ -273,7 +296,7 @@ class Generation:
     def handover(self, error: str, config: Config | None = None) -> Generation:
         self.log.append(f"handover {self.n}: {error}")
         successor = Generation(config or self.config, self.log, self.n + 1)
-        successor.metrics, successor.secret_reloads = self.metrics, self.secret_reloads
+        successor.metrics, successor.secrets = self.metrics, self.secrets
         generations.append(successor)
         return successor
 
@@ -321,7 +344,7 @@ async def test_a_rotation_rebuilds_the_kafka_clients_in_order_and_invalid_materi
             "handover 0: rebuilding the Kafka clients with rotated secret files",
             "start 1 with second-s3cret",  # at once, with the new material
         ]
-        reloads = generations[0].secret_reloads
+        reloads = generations[0].secrets
         assert count(reloads, "invalid") == 1
         assert count(reloads, "applied") == 1
         assert generations[0].metrics.client_restarts._value.get() == 0  # not a failure
