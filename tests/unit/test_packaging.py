@@ -56,6 +56,7 @@ DOCUMENTED_ENV = frozenset(
         "CRS_LOG_LEVEL",
         "CRS_LOG_FORMAT",
         "CRS_SHUTDOWN_TIMEOUT_S",
+        "CRS_POD_NAME",
     }
 )
 SECRET_ENV = frozenset({"KAFKA_SASL_PASSWORD"})
@@ -836,6 +837,8 @@ def test_deployment_environment() -> None:
     # No secret in the pod's environment (/proc/<pid>/environ, crash dumps): the SASL
     # password is a file from the optional Secret, for KAFKA_SASL_PASSWORD_FILE.
     assert "KAFKA_SASL_PASSWORD" not in env
+    # The replica's name for the default client.id, as the chart sets it.
+    assert env["CRS_POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     pod = deploy_manifest("deployment.yaml")["spec"]["template"]["spec"]
     (volume,) = [v for v in pod["volumes"] if v["name"] == "kafka-sasl"]
     assert volume["secret"]["secretName"] == "crs-consumer-kafka"
