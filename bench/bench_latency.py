@@ -50,7 +50,9 @@ from the first timed publish until the last output was seen). Goals (exit 1 when
 MISSED): at every rate with placements, service p99 <= 1.1 x bound p99 and service p50
 <= bound p50; without placements, service p99 <= raw p99 and service CPU per event <=
 1.3 x raw. ``--out`` writes the figures as JSON; ``--agree-with`` an earlier run's file
-also requires every figure of this run to be within 20 % of that run's (exit 1, DISAGREE).
+also requires every figure of this run to be within 20 % of that run's (exit 1, DISAGREE)
+and prints the service's ratios to its references in both runs beside each other (the
+raw loop's own figures move with the machine's speed; the ratios less).
 """
 
 from __future__ import annotations
@@ -377,7 +379,7 @@ async def one_run(
         )
         # When in the run the tail came (one stall, or spread over the run), and of what.
         first = min(sent.values())
-        slowest = sorted(range(len(lat)), key=lat.__getitem__)[-args.show_slowest :][::-1]
+        slowest = sorted(range(len(lat)), key=lat.__getitem__)[::-1][: max(args.show_slowest, 0)]
         shown = ", ".join(
             f"{lat[i] * 1e3:.0f} ms at {list(sent.values())[i] - first:.1f} s "
             f"({'placement' if kinds[i] else 'no-host-found'})"
@@ -428,6 +430,31 @@ def agreement(now: dict[str, Any], before: dict[str, Any]) -> list[str]:
                 elif max(a, b) > AGREE * min(a, b):
                     off.append(f"{key} {mode} {name}: {a:.1f} vs {b:.1f} earlier")
     return off
+
+
+def ratios(result: dict[str, Any]) -> dict[str, float]:
+    """The service's figures over its references' of the same run (what the goals
+    compare): a machine slower in one run than the other moves these less."""
+    out = {}
+    for key, modes in result["figures"].items():
+        service = modes.get("service", {})
+        for ref in ("bound", "raw"):
+            for name in ("p50", "p99", "cpu_us"):
+                if name in service and name in modes.get(ref, {}):
+                    out[f"{key} {name} service/{ref}"] = service[name] / modes[ref][name]
+    return out
+
+
+def ratio_agreement(now: dict[str, Any], before: dict[str, Any]) -> list[str]:
+    """Each ratio of both runs, marked when they are more than AGREE apart."""
+    earlier = ratios(before)
+    lines = []
+    for name, a in ratios(now).items():
+        b = earlier.get(name)
+        if b is not None:
+            mark = "DISAGREE" if max(a, b) > AGREE * min(a, b) else "agrees"
+            lines.append(f"{name}: {a:.2f} vs {b:.2f} earlier ({mark})")
+    return lines
 
 
 async def main() -> int:
@@ -560,6 +587,10 @@ async def main() -> int:
         for line in off:
             print(f"  DISAGREE (> {AGREE:g}x): {line}")
         met[f"agrees within {AGREE:g}x with {args.agree_with}"] = not off
+        # Informational: the raw loop's own figures are the machine's speed (the same
+        # code in both runs), so the ratios say what moved with the service.
+        for line in ratio_agreement(result, before):
+            print(f"  ratio {line}")
     if args.quick:
         print("--quick: figures only, no verdict on the goals")
         return 0
