@@ -125,13 +125,16 @@ class SecretFiles:
         """
         before = fingerprint(self.files)
         config = self._load()
-        self._baseline, self._refused = before, None
-        self._set_refused(False)
+        self._baseline = before
+        self._note_refused(None)
         return config
 
-    def _set_refused(self, refused: bool) -> None:
+    def _note_refused(self, content: Fingerprint | None) -> None:
+        """The last change that did not load (None: the files load, or are the baseline),
+        and the gauge an alert reads, derived from it."""
+        self._refused = content
         if self.metrics is not None:
-            self.metrics.refused.set(1 if refused else 0)
+            self.metrics.refused.set(0 if content is None else 1)
 
     def poll(self) -> Reloaded | None:
         """One check: the reloaded configuration when the files changed and load, else
@@ -140,8 +143,7 @@ class SecretFiles:
         now = fingerprint(self.files)
         if all(now[p] == self._baseline.get(p, "") for p in self.files.values()):
             # Unchanged, or back to the content the clients were built from.
-            self._refused = None
-            self._set_refused(False)
+            self._note_refused(None)
             return None
         files = [
             f"{name}={path}"
@@ -161,12 +163,11 @@ class SecretFiles:
                 )
                 if self.metrics is not None:
                     self.metrics.reloads.labels("invalid").inc()
-            self._refused = now
-            self._set_refused(True)
+            self._note_refused(now)
             return None
         # Hashed before the load: content changed since is seen at the next poll.
-        self._baseline, self._refused = now, None
-        self._set_refused(False)
+        self._baseline = now
+        self._note_refused(None)
         log.info("secret_files_changed", files=files, action="rebuilding the Kafka clients")
         if self.metrics is not None:
             self.metrics.reloads.labels("applied").inc()

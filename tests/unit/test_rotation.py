@@ -61,7 +61,7 @@ def mount(tmp_path: Path, material: dict[str, dict[str, bytes]]) -> Mount:
     return m
 
 
-def watcher(mount: Mount, **kw: Any) -> tuple[SecretFiles, list[str], Any]:
+def watcher(mount: Mount, **kw: Any) -> tuple[SecretFiles, list[str], SecretMetrics]:
     """A watcher of ``mount`` whose attempts to load are recorded."""
     loads: list[str] = []
     env = mount.env()
@@ -118,17 +118,17 @@ def test_the_watched_files_are_the_tls_files_and_the_secret_files(tmp_path: Path
 
 
 def test_unchanged_files_are_no_rotation(mount: Mount) -> None:
-    w, loads, counter = watcher(mount)
+    w, loads, metrics = watcher(mount)
     os.utime(mount.root / "user.crt")  # touched, same content
     assert w.poll() is None
     assert len(loads) == 1
-    assert count(counter, "applied") == count(counter, "invalid") == 0
+    assert count(metrics, "applied") == count(metrics, "invalid") == 0
 
 
 def test_a_symlink_swap_is_detected_and_loads_the_new_material(
     mount: Mount, material: dict[str, dict[str, bytes]]
 ) -> None:
-    w, loads, counter = watcher(mount)
+    w, loads, metrics = watcher(mount)
     mount.publish(material["v2"])
     reloaded = w.poll()
     assert reloaded is not None
@@ -136,7 +136,7 @@ def test_a_symlink_swap_is_detected_and_loads_the_new_material(
     assert reloaded.files == [
         f"{k}={v}" for k, v in mount.env().items() if k != "KAFKA_SECURITY_PROTOCOL"
     ]
-    assert count(counter, "applied") == 1
+    assert count(metrics, "applied") == 1
     assert w.poll() is None  # said once: the new content is the baseline now
     assert len(loads) == 2
 
@@ -154,7 +154,7 @@ def test_a_file_rewritten_in_place_is_detected(
 def test_invalid_material_is_refused_once_and_retried_until_it_loads(
     mount: Mount, material: dict[str, dict[str, bytes]], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    w, loads, counter = watcher(mount)
+    w, loads, metrics = watcher(mount)
     v1, v2 = material["v1"], material["v2"]
     # Half-written certificate; then the new key without its new password; then a file
     # missing for a moment: none of them loads, so the running clients are kept.
@@ -164,20 +164,20 @@ def test_invalid_material_is_refused_once_and_retried_until_it_loads(
         {"user.crt": v2["user.crt"], "user.key": v2["user.key"]},
     ]
     with structlog.testing.capture_logs() as logs:
-        assert refused(counter) == 0
+        assert refused(metrics) == 0
         for files in broken:
             mount.publish(files)
             assert w.poll() is None
-            assert refused(counter) == 1  # the state an alert sees, while it lasts
+            assert refused(metrics) == 1  # the state an alert sees, while it lasts
             assert w.poll() is None  # the same content again: not counted, not logged
-            assert refused(counter) == 1
+            assert refused(metrics) == 1
         mount.publish(v2)
         reloaded = w.poll()
     assert reloaded is not None
-    assert refused(counter) == 0
+    assert refused(metrics) == 0
     assert reloaded.config.ssl_key_password == "second-s3cret"
-    assert count(counter, "invalid") == 3
-    assert count(counter, "applied") == 1
+    assert count(metrics, "invalid") == 3
+    assert count(metrics, "applied") == 1
     events = [(e["event"], e["log_level"]) for e in logs]
     assert events == [("secret_reload_invalid", "warning")] * 3 + [("secret_files_changed", "info")]
     # Paths only: never a password or key.
@@ -216,8 +216,8 @@ def test_a_changed_sasl_password_file_is_a_rotation_and_an_empty_one_is_refused(
         "KAFKA_SASL_PASSWORD_FILE": volume.path("password"),
     }
     files = secret_files(Config.load(env=env), env=env)
-    counter = new_secret_metrics(CollectorRegistry())
-    w = SecretFiles(files, lambda: Config.load(env=env), interval_s=30, metrics=counter)
+    metrics = new_secret_metrics(CollectorRegistry())
+    w = SecretFiles(files, lambda: Config.load(env=env), interval_s=30, metrics=metrics)
     assert w.load().sasl_password == "first"
     volume.publish({"password": b""})  # truncated while being written: no password at all
     assert w.poll() is None
@@ -226,7 +226,7 @@ def test_a_changed_sasl_password_file_is_a_rotation_and_an_empty_one_is_refused(
     assert reloaded is not None
     assert reloaded.config.sasl_password == "second"
     assert reloaded.files == [f"KAFKA_SASL_PASSWORD_FILE={volume.path('password')}"]
-    assert (count(counter, "invalid"), count(counter, "applied")) == (1, 1)
+    assert (count(metrics, "invalid"), count(metrics, "applied")) == (1, 1)
 
 
 async def test_polls_every_interval_on_fake_time(
