@@ -47,26 +47,21 @@ from aiokafka.structs import TopicPartition
 ILLEGAL_GENERATION, UNKNOWN_MEMBER_ID = 22, 25
 
 
+def per_topic(*partition_fields: tuple[str, Any]) -> CompactArray:
+    """A flexible version's topics: each a name and its partitions (these fields)."""
+    return CompactArray(
+        ("name", CompactString("utf-8")),
+        ("partitions", CompactArray(*partition_fields, ("tags", TaggedFields))),
+        ("tags", TaggedFields),
+    )
+
+
 class TxnOffsetCommitResponseV3(Response):
     API_KEY = 28
     API_VERSION = 3
     SCHEMA = Schema(
         ("throttle_time_ms", Int32),
-        (
-            "topics",
-            CompactArray(
-                ("name", CompactString("utf-8")),
-                (
-                    "partitions",
-                    CompactArray(
-                        ("partition_index", Int32),
-                        ("error_code", Int16),
-                        ("tags", TaggedFields),
-                    ),
-                ),
-                ("tags", TaggedFields),
-            ),
-        ),
+        ("topics", per_topic(("partition_index", Int32), ("error_code", Int16))),
         ("tags", TaggedFields),
     )
 
@@ -86,19 +81,11 @@ class TxnOffsetCommitRequestV3(RequestStruct):
         ("group_instance_id", CompactString("utf-8")),
         (
             "topics",
-            CompactArray(
-                ("name", CompactString("utf-8")),
-                (
-                    "partitions",
-                    CompactArray(
-                        ("partition_index", Int32),
-                        ("committed_offset", Int64),
-                        ("committed_leader_epoch", Int32),
-                        ("committed_metadata", CompactString("utf-8")),
-                        ("tags", TaggedFields),
-                    ),
-                ),
-                ("tags", TaggedFields),
+            per_topic(
+                ("partition_index", Int32),
+                ("committed_offset", Int64),
+                ("committed_leader_epoch", Int32),
+                ("committed_metadata", CompactString("utf-8")),
             ),
         ),
         ("tags", TaggedFields),
