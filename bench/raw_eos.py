@@ -34,11 +34,12 @@ import asyncio
 import contextlib
 import json
 import signal
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from aiokafka.structs import ConsumerRecord
+from aiokafka.structs import ConsumerRecord, TopicPartition
 
 MERGE = "application/merge-patch+json"
 GiB = 1024**3
@@ -193,6 +194,9 @@ async def pass_through(
     await producer.start()
     await consumer.start()
     try:
+        if args.txn_per_partition:
+            await per_partition(args, stop, consumer, write if part is not None else None)
+            return
         while not stop.is_set():
             batch = await consumer.getmany(timeout_ms=500, max_records=args.max_batch)
             if not batch:
@@ -223,6 +227,67 @@ async def pass_through(
             )
 
 
+async def per_partition(
+    args: argparse.Namespace,
+    stop: asyncio.Event,
+    consumer: AIOKafkaConsumer,
+    write: Callable[[ConsumerRecord[bytes, bytes]], Coroutine[Any, Any, None]] | None,
+) -> None:
+    """``--txn-per-partition``: the loop with the service's fencing model and nothing else
+    of the service. Each input partition has a transactional producer of its own (the
+    service's zombie fencing: a take-over's InitProducerId aborts the partition's open
+    transaction) and its own task, which commits whatever of its partition has arrived in
+    one transaction as soon as its previous one ended (no pacing, no batch barrier: the
+    fetch loop only hands records on). What it costs over the loop above, which commits
+    every partition in one transaction, is what one transaction per input partition costs
+    (BENCHMARKS.md, "What bounds it")."""
+    queues: dict[TopicPartition, asyncio.Queue[list[ConsumerRecord[bytes, bytes]]]] = {}
+    tasks: list[asyncio.Task[None]] = []
+
+    async def committer(tp: TopicPartition) -> None:
+        producer = AIOKafkaProducer(
+            bootstrap_servers=args.bootstrap,
+            transactional_id=f"tx-{args.group}-{tp.partition}",
+            retry_backoff_ms=args.retry_backoff_ms,
+        )
+        await producer.start()
+        queue = queues[tp]
+        try:
+            while True:
+                records = await queue.get()
+                while not queue.empty():
+                    records += queue.get_nowait()
+                async with producer.transaction():
+                    patches = [asyncio.create_task(write(r)) for r in records] if write else []
+                    offsets = {tp: records[-1].offset + 1}
+                    await producer.send_offsets_to_transaction(offsets, args.group)
+                    futures = []
+                    for r in records:
+                        headers = list(r.headers)
+                        futures.append(
+                            await producer.send(args.output, r.value, key=r.key, headers=headers)
+                        )
+                    await asyncio.gather(*futures, *patches)
+        finally:
+            await producer.stop()
+
+    try:
+        while not stop.is_set():
+            batch = await consumer.getmany(timeout_ms=500, max_records=args.max_batch)
+            for tp, records in batch.items():
+                if tp not in queues:  # the benchmark's group has one member: no revokes
+                    queues[tp] = asyncio.Queue()
+                    tasks.append(asyncio.create_task(committer(tp)))
+                queues[tp].put_nowait(list(records))
+            for task in tasks:
+                if task.done():
+                    task.result()  # a failed transaction ends the run, as above
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bootstrap", required=True)
@@ -233,6 +298,11 @@ def main() -> None:
     ap.add_argument("--retry-backoff-ms", type=int, default=2, help="the producer's back-off")
     ap.add_argument("--kubeconfig", help="the write-first bound: PATCH each placement's slot")
     ap.add_argument("--part", default="crs-bench-part=bound", help="the bound's slots (selector)")
+    ap.add_argument(
+        "--txn-per-partition",
+        action="store_true",
+        help="one transactional producer and one transaction per input partition",
+    )
     ap.add_argument("--vm-gib", type=float, default=4.0, help="memory of a placed VM")
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run(ap.parse_args()))
