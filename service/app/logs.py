@@ -103,7 +103,9 @@ def configure_logging(level: str = "INFO", fmt: str = "json", stream: TextIO | N
     structlog.configure(
         processors=[*shared, structlog.processors.StackInfoRenderer(), renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=out),
+        # One write (and one syscall) per line: PrintLogger's print() writes the line and
+        # its newline separately, two syscalls per line on an unbuffered stream.
+        logger_factory=structlog.WriteLoggerFactory(file=out),
         cache_logger_on_first_use=True,
     )
     handler = logging.StreamHandler(out)

@@ -45,6 +45,28 @@ def test_json_lines_with_context_for_own_and_library_logs(restore_logging: None)
     assert lib["level"] == "warning"
 
 
+class _Writes(io.StringIO):
+    """A stream that counts its writes: each is a syscall on the service's stderr."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, s: str) -> int:
+        self.writes += 1
+        return super().write(s)
+
+
+def test_each_line_is_one_write(restore_logging: None) -> None:
+    out = _Writes()
+    configure_logging("INFO", "json", stream=out)
+    log = structlog.get_logger("test-writes")
+    log.info("allocation_written", reservation="r-1")
+    log.info("classified", instance_uuid="vm-1")
+    assert out.getvalue().count("\n") == 2
+    assert out.writes == 2
+
+
 def test_exceptions_are_rendered_into_the_json_line(restore_logging: None) -> None:
     out = io.StringIO()
     configure_logging("INFO", "json", stream=out)
