@@ -262,3 +262,22 @@ async def test_a_record_the_client_cannot_read_is_one_stub_dead_letter(
     await until(lambda: h.metrics.dead_letters.labels("unreadable")._value.get() == 1)
     assert not h.task.done()  # type: ignore[union-attr]
     await h.stop()
+
+
+async def test_idle_lane_workers_end_and_a_later_record_still_runs(broker: FakeBroker) -> None:
+    # A burst staffs a worker per waiting key; once idle for _WORKER_IDLE_S they end
+    # (no task per key left behind), and the next record is taken all the same.
+    h = Harness(broker)
+    gate = h.gated_records(8)
+    await h.start(TP0)
+    await until(lambda: h.processor.running == 8)
+    part = await h.part()
+    assert len(part.tasks) >= 8
+    gate.set()
+    await until(lambda: len(outputs(broker)) == 8)
+    await asyncio.sleep(lanes_module._WORKER_IDLE_S - 1)
+    assert len(part.tasks) >= 1  # idle, not yet ended
+    await until(lambda: not part.tasks, limit_s=2)
+    broker.append(IN, 0, b"late", b"late")
+    await until(lambda: len(outputs(broker)) == 9)
+    await h.stop()
