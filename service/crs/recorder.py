@@ -474,7 +474,9 @@ class Recorder:
                 self._remember_unsettled(key, chosen, body)
                 raise
             self._unsettled.pop(key, None)
-            log.info("allocation_written", reservation=name, conflicts=conflicts)
+            # At debug: the processor's one info line per written allocation ("classified")
+            # names the event, the slot, the host and the conflicts.
+            log.debug("allocation_written", reservation=name, conflicts=conflicts)
             return AllocationStatus.WRITTEN, name, conflicts
 
     def _remember_unsettled(

@@ -500,8 +500,9 @@ class Processor:
         self._metrics.processing.observe(time.perf_counter() - started)
         # Every classification is in the output topic and the counters; a log line per
         # event at info would double the CPU of a routine event (~16 µs of ~25). Info is
-        # kept for what changed the cluster or failed to: a written or failed allocation;
-        # the rest at debug, and only built when debug is on.
+        # kept for what changed the cluster or failed to: a written or failed allocation,
+        # in this one line (the recorder's own is at debug); the rest at debug, and only
+        # built when debug is on.
         written = outcome.allocation in (AllocationStatus.WRITTEN, AllocationStatus.FAILED)
         if written or self._debug:
             (bound.logger().info if written else bound.logger().debug)(
@@ -510,8 +511,10 @@ class Processor:
                 cr_slot=outcome.cr_slot,
                 flavor_group=outcome.flavor_group,
                 intent=outcome.intent,
+                host=outcome.target_host,
                 reservation=outcome.reservation,
                 allocation=outcome.allocation,
+                conflicts=outcome.conflicts,
             )
         return OutRecord(
             topic=self._output_topic,

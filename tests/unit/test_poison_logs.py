@@ -195,3 +195,11 @@ def test_at_info_only_classifications_that_touched_the_cluster_are_logged(
         run(proc.process(ref, VM.encode(), value, headers))
     classified = [line for line in lines(captured) if line["event"] == "classified"]
     assert [line["allocation"] for line in classified] == ["written"]
+    # The one line of a cluster change locates it: the event, the host, the slot, the races.
+    (line,) = classified
+    assert (line["partition"], line["offset"], line["instance_uuid"]) == (0, 1, VM)
+    assert (line["host"], line["reservation"], line["conflicts"]) == (
+        written.target_host,
+        written.reservation,
+        written.conflicts,
+    )

@@ -164,6 +164,39 @@ async def test_writes_allocation_into_matching_slot(env: Env) -> None:
     assert env.state.patch_results == {"200": 1}
 
 
+async def test_a_written_allocation_is_logged_once_by_the_processor_not_here(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The processor's "classified" line is the one info line of a write (it names the
+    # event); the recorder's own is at debug, so a write is not logged twice.
+    import io
+    import logging
+
+    import structlog
+
+    from service.app.logs import configure_logging
+    from service.crs import recorder as recorder_module
+
+    env.seed(*standard_world(f.reservation("slot-1", host=HOST, memory="16Gi")))
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    seen: dict[str, io.StringIO] = {}
+    try:
+        for name, vm in (("INFO", UUID), ("DEBUG", "vm-2")):
+            out = seen[name] = io.StringIO()
+            configure_logging(name, "json", stream=out)
+            # The module's logger may have been cached under an earlier configuration.
+            monkeypatch.setattr(recorder_module, "_log", structlog.get_logger("recorder"))
+            outcome = await place(env.recorder, uuid=vm)
+            assert outcome.allocation is AllocationStatus.WRITTEN
+    finally:
+        structlog.reset_defaults()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    assert seen["INFO"].getvalue() == ""
+    assert '"allocation_written"' in seen["DEBUG"].getvalue()
+
+
 async def test_the_allocation_is_stamped_with_the_placement_time_not_the_processing_time(
     env: Env,
 ) -> None:
