@@ -5,7 +5,6 @@ transaction opened ahead while its records wait on the Kubernetes API.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 from collections.abc import Awaitable
 
@@ -13,6 +12,7 @@ from aiokafka.structs import OffsetAndMetadata
 
 from service.stream import aiokafka_internals
 from service.stream.engine import transaction
+from service.stream.engine.core import wait_set
 from service.stream.engine.state import Partition
 from service.stream.engine.transaction import Transactions
 
@@ -78,10 +78,7 @@ class Committer(Transactions):
             if part.ahead is None:
                 await part.wake.wait()
             else:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        part.wake.wait(), max(part.ahead_until - self._clock(), 0.0)
-                    )
+                await wait_set(part.wake, max(part.ahead_until - self._clock(), 0.0))
             part.wake.clear()
             if part.closed:
                 break
@@ -94,8 +91,7 @@ class Committer(Transactions):
                 elif ahead_after > 0 and tokens >= 1 and part.ledger.pending:
                     # Records arrived and none is decided: give them ahead_after (a
                     # decision sets wake, and is then committed the usual way).
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(part.wake.wait(), ahead_after)
+                    await wait_set(part.wake, ahead_after)
                     if part.ledger.pending and not part.ledger.done_uncommitted:
                         bucket.take()  # the transaction's token, spent when it begins
                         await self._open_ahead(part)
@@ -111,8 +107,7 @@ class Committer(Transactions):
                     # the service's p99 twice the write-first bound's (bench_latency.py).
                     if not part.ledger.pending:
                         break
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(part.wake.wait(), bucket.until_next())
+                    await wait_set(part.wake, bucket.until_next())
                     part.wake.clear()
                     tokens = bucket.level(self._clock())
                 bucket.take()
@@ -163,7 +158,8 @@ class Committer(Transactions):
     async def _outside_commit(self, part: Partition, request: Awaitable[None]) -> None:
         """A transaction request made outside a commit, bounded and failing like one."""
         try:
-            await asyncio.wait_for(request, self._s.commit_timeout_s)
+            async with asyncio.timeout(self._s.commit_timeout_s):
+                await request
         except Exception as exc:
             self._commit_failed(part, exc)
 

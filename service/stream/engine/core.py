@@ -109,6 +109,18 @@ def brief(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error)[:200]}"
 
 
+async def wait_set(event: asyncio.Event, timeout_s: float) -> None:
+    """Wait until ``event`` is set or ``timeout_s`` have passed.
+
+    Under asyncio.timeout, not wait_for: wait_for wraps the wait in a task of its own,
+    and the committers wait so once or twice per record at a steady rate."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+    except TimeoutError:
+        pass
+
+
 def being_cancelled() -> bool:
     """Whether the current task has been asked to cancel (else a CancelledError it sees
     was raised by a callee of its own accord)."""

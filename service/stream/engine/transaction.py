@@ -115,7 +115,9 @@ class Transactions(EngineCore):
         tp = part.tp
         started = time.perf_counter()
         try:
-            await asyncio.wait_for(self._send(part, plan), self._s.commit_timeout_s)
+            # asyncio.timeout, not wait_for: no task of its own per commit.
+            async with asyncio.timeout(self._s.commit_timeout_s):
+                await self._send(part, plan)
         except Rejected as rejected:
             stubbed = self._table.oversized.setdefault(tp, set())
             refused = isinstance(rejected.error, errors.REFUSED_RECORD)
