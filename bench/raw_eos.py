@@ -42,6 +42,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 MERGE = "application/merge-patch+json"
+# A fetched batch: records by input partition.
+Batch = dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]
 GiB = 1024**3
 # The bound's allocation body: the service's shape (memory and cpu of an m2.small, a
 # timestamp); bench_latency.py checks the part for exactly this body afterwards.
@@ -191,30 +193,34 @@ async def pass_through(
             return
         await part.write(slot, bytes(record.key).decode())
 
+    async def commit(producer: AIOKafkaProducer, batch: Batch) -> None:
+        """One transaction: ``batch``'s outputs and offsets (and, for the bound, its
+        placements' PATCHes, in flight during every Kafka request but the end)."""
+        offsets = {tp: records[-1].offset + 1 for tp, records in batch.items()}
+        async with producer.transaction():
+            patches = []
+            if part is not None:
+                patches = [
+                    asyncio.create_task(write(r)) for records in batch.values() for r in records
+                ]
+            await producer.send_offsets_to_transaction(offsets, args.group)
+            futures = [
+                await producer.send(args.output, r.value, key=r.key, headers=list(r.headers))
+                for records in batch.values()
+                for r in records
+            ]
+            await asyncio.gather(*futures, *patches)
+
     await producer.start()
     await consumer.start()
     try:
         if args.txn_per_partition:
-            await per_partition(args, stop, consumer, write if part is not None else None)
+            await per_partition(args, stop, consumer, commit)
             return
         while not stop.is_set():
             batch = await consumer.getmany(timeout_ms=500, max_records=args.max_batch)
-            if not batch:
-                continue
-            offsets = {tp: records[-1].offset + 1 for tp, records in batch.items()}
-            async with producer.transaction():
-                patches = []
-                if part is not None:  # in flight during every Kafka request but the end
-                    patches = [
-                        asyncio.create_task(write(r)) for records in batch.values() for r in records
-                    ]
-                await producer.send_offsets_to_transaction(offsets, args.group)
-                futures = [
-                    await producer.send(args.output, r.value, key=r.key, headers=list(r.headers))
-                    for records in batch.values()
-                    for r in records
-                ]
-                await asyncio.gather(*futures, *patches)
+            if batch:
+                await commit(producer, batch)
     finally:
         await consumer.stop()
         await producer.stop()
@@ -231,16 +237,16 @@ async def per_partition(
     args: argparse.Namespace,
     stop: asyncio.Event,
     consumer: AIOKafkaConsumer,
-    write: Callable[[ConsumerRecord[bytes, bytes]], Coroutine[Any, Any, None]] | None,
+    commit: Callable[[AIOKafkaProducer, Batch], Coroutine[Any, Any, None]],
 ) -> None:
     """``--txn-per-partition``: the loop with the service's fencing model and nothing else
     of the service. Each input partition has a transactional producer of its own (the
     service's zombie fencing: a take-over's InitProducerId aborts the partition's open
     transaction) and its own task, which commits whatever of its partition has arrived in
-    one transaction as soon as its previous one ended (no pacing, no batch barrier: the
-    fetch loop only hands records on). What it costs over the loop above, which commits
-    every partition in one transaction, is what one transaction per input partition costs
-    (BENCHMARKS.md, "What bounds it")."""
+    one transaction (``commit``, the loop's own) as soon as its previous one ended (no
+    pacing, no batch barrier: the fetch loop only hands records on). What it costs over
+    the loop above, which commits every partition in one transaction, is what one
+    transaction per input partition costs (BENCHMARKS.md, "What bounds it")."""
     queues: dict[TopicPartition, asyncio.Queue[list[ConsumerRecord[bytes, bytes]]]] = {}
     tasks: list[asyncio.Task[None]] = []
 
@@ -257,17 +263,7 @@ async def per_partition(
                 records = await queue.get()
                 while not queue.empty():
                     records += queue.get_nowait()
-                async with producer.transaction():
-                    patches = [asyncio.create_task(write(r)) for r in records] if write else []
-                    offsets = {tp: records[-1].offset + 1}
-                    await producer.send_offsets_to_transaction(offsets, args.group)
-                    futures = []
-                    for r in records:
-                        headers = list(r.headers)
-                        futures.append(
-                            await producer.send(args.output, r.value, key=r.key, headers=headers)
-                        )
-                    await asyncio.gather(*futures, *patches)
+                await commit(producer, {tp: records})
         finally:
             await producer.stop()
 
