@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
+import logging
 from collections.abc import Collection, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+import structlog
 from prometheus_client import CollectorRegistry
 
+from service.app.logs import configure_logging
 from service.crs import Recorder, new_no_host_found_counter, new_placement_counter
+from service.crs import recorder as recorder_module
 from service.crs.outcome import AllocationStatus, Outcome
 from service.crs.ports import (
     ClusterState,
@@ -169,14 +174,6 @@ async def test_a_written_allocation_is_logged_once_by_the_processor_not_here(
 ) -> None:
     # The processor's "classified" line is the one info line of a write (it names the
     # event); the recorder's own is at debug, so a write is not logged twice.
-    import io
-    import logging
-
-    import structlog
-
-    from service.app.logs import configure_logging
-    from service.crs import recorder as recorder_module
-
     env.seed(*standard_world(f.reservation("slot-1", host=HOST, memory="16Gi")))
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
