@@ -1,10 +1,10 @@
 """A small async Kubernetes client for the four custom resources the service uses.
 
 Built on kubernetes_asyncio for configuration and authentication (kubeconfig, in-cluster
-service account, token refresh), but responses are read as raw bytes
-(``_preload_content=False``) and decoded straight into the msgspec models: building
-Python dicts for 50,000 Reservations and then converting them would cost several times
-the decode itself.
+service account, token refresh); requests go out through :mod:`service.k8s.transport`
+on its session, and responses are read as raw bytes and decoded straight into the
+msgspec models: building Python dicts for 50,000 Reservations and then converting them
+would cost several times the decode itself.
 
 Every request carries a timeout, is counted in :class:`~service.k8s.metrics.K8sMetrics`,
 and fails only with the :mod:`service.crs.ports` error types; both happen in one place
@@ -21,7 +21,7 @@ import contextlib
 import os
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final, Generic, Literal, Protocol, TypeVar
@@ -35,6 +35,7 @@ from kubernetes_asyncio import config as k8s_config
 from service.crs.ports import ApiError, NotFoundError, UnavailableError
 from service.k8s.errors import ResourceExpiredError, error_for_status, map_exception
 from service.k8s.metrics import K8sMetrics
+from service.k8s.transport import Query, Transport
 from service.model import (
     LABEL_RESERVATION_TYPE,
     RESERVATION_TYPE_COMMITTED_RESOURCE,
@@ -85,6 +86,9 @@ DEFAULT_PAGE_SIZE: Final = 500
 # A continue token expires after ~5-15 minutes (HTTP 410); restart the list this often.
 _MAX_LIST_RESTARTS: Final = 2
 _STATUS_MESSAGE_LIMIT: Final = 300
+_METHODS: Final[Mapping[str, str]] = MappingProxyType(
+    {"get": "GET", "list": "GET", "patch": "PATCH"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,15 +290,8 @@ class KubeClient:
     ) -> None:
         if request_timeout_s <= 0:
             raise ValueError("request_timeout_s must be positive")
-        # kubernetes_asyncio opens its aiohttp session with trust_env=True, and aiohttp
-        # then looks up proxy variables and parses ~/.netrc (in a thread) on *every*
-        # request: a fifth of the service's CPU at 100 PATCHes/s. The API server is
-        # reached directly (in-cluster, or the kubeconfig's server), so that is off.
-        session = getattr(getattr(api, "rest_client", None), "pool_manager", None)
-        if session is not None and hasattr(session, "_trust_env"):
-            session._trust_env = False
         self._api = api
-        self._co = k8s_client.CustomObjectsApi(api)
+        self._http = Transport(api)
         self._timeout = request_timeout_s
         self._metrics = metrics
         if metrics is not None:
@@ -400,7 +397,7 @@ class KubeClient:
         Unlike the typed lists it never follows continue tokens, so it costs one round
         trip however many objects exist (``crs-consumer check``).
         """
-        await self._list_page(kind, limit=1)
+        await self._list_page(kind, {"limit": 1})
 
     async def get_knowledge(self, name: str = "flavor-groups") -> Knowledge | None:
         """The Knowledge object, None when it does not exist."""
@@ -456,16 +453,7 @@ class KubeClient:
 
     async def _merge_patch(self, name: str, body: dict[str, Any]) -> Reservation:
         raw = await self._request(
-            "patch",
-            RESERVATIONS,
-            name,
-            self._co.patch_cluster_custom_object,
-            RESERVATIONS.group,
-            RESERVATIONS.version,
-            RESERVATIONS.plural,
-            name,
-            body,
-            _content_type=MERGE_PATCH,
+            "patch", RESERVATIONS, name, body=msgspec.json.encode(body), content_type=MERGE_PATCH
         )
         return self._decode_one(raw, Reservation, RESERVATIONS, name)
 
@@ -473,16 +461,7 @@ class KubeClient:
 
     async def get_object(self, kind: ResourceKind, name: str, type_: type[T]) -> T:
         """One object decoded into ``type_``; raises NotFoundError when it is absent."""
-        raw = await self._request(
-            "get",
-            kind,
-            name,
-            self._co.get_cluster_custom_object,
-            kind.group,
-            kind.version,
-            kind.plural,
-            name,
-        )
+        raw = await self._request("get", kind, name)
         return self._decode_one(raw, type_, kind, name)
 
     async def list_objects(
@@ -508,12 +487,12 @@ class KubeClient:
             token: str | None = None
             try:
                 while True:
-                    kwargs: dict[str, Any] = {"limit": limit}
+                    query: dict[str, str | int | bool] = {"limit": limit}
                     if label_selector:
-                        kwargs["label_selector"] = label_selector
+                        query["labelSelector"] = label_selector
                     if token:
-                        kwargs["_continue"] = token
-                    raw = await self._list_page(kind, **kwargs)
+                        query["continue"] = token
+                    raw = await self._list_page(kind, query)
                     page = self._decode_list(raw, type_, kind, skipped)
                     if page.items:
                         items.extend(page.items)
@@ -548,40 +527,32 @@ class KubeClient:
         ``timeout_s`` is the server-side ``timeoutSeconds``: the server ends the stream
         after it, which is the caller's cue to watch again.
         """
-        params: dict[str, Any] = {
+        params: dict[str, str | int | bool] = {
             "watch": True,
-            "allow_watch_bookmarks": True,
-            "timeout_seconds": timeout_s,
+            "allowWatchBookmarks": True,
+            "timeoutSeconds": timeout_s,
         }
         if resource_version:
-            params["resource_version"] = resource_version
+            params["resourceVersion"] = resource_version
         if label_selector:
-            params["label_selector"] = label_selector
+            params["labelSelector"] = label_selector
         return WatchStream(self, kind, type_, params)
 
     # --- plumbing -------------------------------------------------------------------
 
-    async def _list_page(self, kind: ResourceKind, **kwargs: Any) -> bytes:
+    async def _list_page(self, kind: ResourceKind, query: Query) -> bytes:
         """One LIST request (one page): the raw response body."""
-        return await self._request(
-            "list",
-            kind,
-            "",
-            self._co.list_cluster_custom_object,
-            kind.group,
-            kind.version,
-            kind.plural,
-            **kwargs,
-        )
+        return await self._request("list", kind, "", query=query)
 
     async def _request(
         self,
         verb: str,
         kind: ResourceKind,
         name: str,
-        fn: Callable[..., Awaitable[Any]],
-        *args: Any,
-        **kwargs: Any,
+        *,
+        query: Query | None = None,
+        body: bytes | None = None,
+        content_type: str = "application/json",
     ) -> bytes:
         """Run one API call with a deadline; return the 2xx body or raise an ApiError."""
         what = f"{verb} {kind.plural}/{name}" if name else f"{verb} {kind.plural}"
@@ -589,19 +560,21 @@ class KubeClient:
             # aiohttp's own total timeout covers connect + headers + body; the outer
             # deadline also bounds auth-hook and DNS work done before the request.
             async with asyncio.timeout(self._timeout):
-                resp = await fn(
-                    *args,
-                    _preload_content=False,
-                    _request_timeout=self._timeout,
-                    **kwargs,
+                resp = await self._http.open(
+                    _METHODS[verb],
+                    Transport.path(kind.group, kind.version, kind.plural, name),
+                    query=query,
+                    body=body,
+                    content_type=content_type,
+                    deadlines=aiohttp.ClientTimeout(total=self._timeout),
                 )
                 try:
-                    body: bytes = await resp.read()
+                    answer: bytes = await resp.read()
                 finally:
                     resp.release()
                 call.code = status = int(resp.status)
         if not 200 <= status < 300:
-            found = _status_of(body)
+            found = _status_of(answer)
             if status == 404 and name and found.details.name != name:
                 # The object is gone only when the Status says so by naming it. Without
                 # that the *kind* is not served: an API server registering its CRDs after
@@ -615,7 +588,7 @@ class KubeClient:
                     kind=kind.plural,
                 )
             raise error_for_status(status, f"{what}: {_explanation(found)}", kind=kind.plural)
-        return body
+        return answer
 
     @contextlib.contextmanager
     def _call(self, verb: str, kind: ResourceKind, what: str) -> Iterator[_Call]:
@@ -699,7 +672,7 @@ class WatchStream(Generic[Obj]):
     """
 
     def __init__(
-        self, client: KubeClient, kind: ResourceKind, type_: type[Obj], params: dict[str, Any]
+        self, client: KubeClient, kind: ResourceKind, type_: type[Obj], params: Query
     ) -> None:
         self._client = client
         self._kind = kind
@@ -718,13 +691,11 @@ class WatchStream(Generic[Obj]):
         )
         with client._call("watch", kind, what) as call:
             async with asyncio.timeout(request_timeout):
-                resp = await client._co.list_cluster_custom_object(
-                    kind.group,
-                    kind.version,
-                    kind.plural,
-                    _preload_content=False,
-                    _request_timeout=timeout,
-                    **self._params,
+                resp = await client._http.open(
+                    "GET",
+                    Transport.path(kind.group, kind.version, kind.plural),
+                    query=self._params,
+                    deadlines=timeout,
                 )
             call.code = code = int(resp.status)
         if code != 200:

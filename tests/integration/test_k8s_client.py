@@ -252,12 +252,13 @@ async def test_an_object_of_a_kind_not_served_is_unavailable_not_deleted(
     assert exc.value.retryable
     assert exc.value.status == 404
     # The same for the guarded write, through the kind the client writes to.
-    monkey = kc._co.patch_cluster_custom_object
+    served_path = f"/{RESERVATIONS.version}/"
+    monkey = kc._http.open
 
-    async def patch_unserved(group: str, version: str, *args: Any, **kw: Any) -> Any:
-        return await monkey(group, unserved.version, *args, **kw)
+    async def open_unserved(method: str, path: str, **kw: Any) -> Any:
+        return await monkey(method, path.replace(served_path, f"/{unserved.version}/"), **kw)
 
-    kc._co.patch_cluster_custom_object = patch_unserved
+    kc._http.open = open_unserved  # type: ignore[method-assign]
     alloc: dict[str, object] = {"creationTimestamp": "2026-01-01T00:00:00Z", "resources": {}}
     with pytest.raises(UnavailableError) as exc:
         await kc.patch_allocation(read, "vm-1", alloc)
@@ -389,6 +390,29 @@ async def test_bad_token_is_forbidden_401(devstack: DevStack) -> None:
         with pytest.raises(ForbiddenError) as exc:
             await kc.list_hypervisors()
     assert exc.value.status == 401
+
+
+async def test_a_token_the_refresh_hook_replaces_is_sent_from_the_next_request(
+    devstack: DevStack, service_account: tuple[str, str]
+) -> None:
+    """In-cluster, the service-account token rotates and kubernetes_asyncio's refresh
+    hook re-reads it (a kubeconfig's exec plugin alike): the client sends its requests
+    itself, so it must ask the configuration for the credentials on every request, not
+    once. Here the hook swaps an unknown token (401) for a known account's (403: known,
+    without RBAC)."""
+    _, token = service_account
+    async with KubeClient.from_token(devstack.apiserver, ca_file(devstack), "garbage") as kc:
+        with pytest.raises(ForbiddenError) as exc:
+            await kc.get_knowledge()
+        assert exc.value.status == 401
+
+        def rotate(cfg: Any) -> None:
+            cfg.api_key["BearerToken"] = token
+
+        kc.api_client.configuration.refresh_api_key_hook = rotate
+        with pytest.raises(ForbiddenError) as exc:
+            await kc.get_knowledge()
+        assert exc.value.status == 403
 
 
 async def test_deploy_clusterrole_grants_exactly_what_the_service_uses(
