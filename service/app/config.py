@@ -242,9 +242,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
         _env(
             "CRS_TXN_OPEN_AHEAD_MS",
             "A quiet partition whose records are still undecided this long after they "
-            "arrived (waiting on the Kubernetes API) begins its next transaction, sends its "
-            "offset and adds the output partitions of the waiting records' keys meanwhile, "
-            "so only the outputs and the end follow the decision; 0: never",
+            "arrived (at once when a decision has sent a request to the Kubernetes API) "
+            "begins its next transaction, sends its offset and adds the output partitions "
+            "of the waiting records' keys meanwhile, so only the outputs and the end "
+            "follow the decision; 0: never",
         ),
     ] = 2
     fetch_linger_ms: Annotated[

@@ -8,14 +8,16 @@ stream layer above it) can tell a conflict from a missing object from an outage.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
 from service.crs.evaluator import SlotEvaluator
 from service.model import CommittedResource, Knowledge, Reservation
 
 __all__ = [
+    "API_REQUEST_HOOK",
     "ApiError",
     "ClusterState",
     "ConflictError",
@@ -25,6 +27,17 @@ __all__ = [
     "Snapshot",
     "UnavailableError",
 ]
+
+
+# Called by a ClusterState's transport right before it sends a request to the API
+# server. The stream engine sets it around each decision: a decision about to wait on
+# the API server (a placement's PATCH, a read in list mode) lets the engine begin the
+# partition's next transaction meanwhile, instead of after a guess of how long a
+# decision that does not wait takes. A context variable, so neither side imports the
+# other and a request made outside a decision (the informer's) calls nothing.
+API_REQUEST_HOOK: Final[ContextVar[Callable[[], None] | None]] = ContextVar(
+    "crs_api_request_hook", default=None
+)
 
 
 class ApiError(Exception):

@@ -32,7 +32,7 @@ import structlog
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 
-from service.crs.ports import ApiError, NotFoundError, UnavailableError
+from service.crs.ports import API_REQUEST_HOOK, ApiError, NotFoundError, UnavailableError
 from service.k8s.errors import ResourceExpiredError, error_for_status, map_exception
 from service.k8s.metrics import K8sMetrics
 from service.k8s.transport import Query, Transport
@@ -556,6 +556,8 @@ class KubeClient:
     ) -> bytes:
         """Run one API call with a deadline; return the 2xx body or raise an ApiError."""
         what = f"{verb} {kind.plural}/{name}" if name else f"{verb} {kind.plural}"
+        if (hook := API_REQUEST_HOOK.get()) is not None:
+            hook()
         with self._call(verb, kind, what) as call:
             # aiohttp's own total timeout covers connect + headers + body; the outer
             # deadline also bounds auth-hook and DNS work done before the request.

@@ -19,6 +19,7 @@ from kubernetes_asyncio import client
 from prometheus_client import CollectorRegistry
 
 from service.crs.ports import (
+    API_REQUEST_HOOK,
     ConflictError,
     ForbiddenError,
     InvalidError,
@@ -390,6 +391,25 @@ async def test_bad_token_is_forbidden_401(devstack: DevStack) -> None:
         with pytest.raises(ForbiddenError) as exc:
             await kc.list_hypervisors()
     assert exc.value.status == 401
+
+
+async def test_every_request_calls_the_api_request_hook_first(
+    kube: tuple[KubeClient, Any], clean_k8s: Any
+) -> None:
+    """The engine opens a partition's next transaction when a decision sends a request
+    to the API server (service.crs.ports.API_REQUEST_HOOK): the client calls the hook
+    before each request, a read and the guarded write alike, and nothing when unset."""
+    kc, _ = kube
+    read = await stored_reservation(kc, clean_k8s)  # outside the hook: not counted
+    calls: list[str] = []
+    token = API_REQUEST_HOOK.set(lambda: calls.append("request"))
+    try:
+        await kc.get_knowledge()
+        alloc: dict[str, object] = {"creationTimestamp": "2026-01-01T00:00:00Z", "resources": {}}
+        await kc.patch_allocation(read, "vm-1", alloc)
+    finally:
+        API_REQUEST_HOOK.reset(token)
+    assert calls == ["request", "request"]
 
 
 async def test_a_token_the_refresh_hook_replaces_is_sent_from_the_next_request(

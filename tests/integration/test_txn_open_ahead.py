@@ -4,7 +4,8 @@ The engine begins a quiet partition's transaction and sends its offset while the
 wait on the Kubernetes API, and sends the offset again if it moved meanwhile; it relies
 on the broker keeping the *last* offset a transaction sent, and on an aborted
 transaction committing none. Both are checked here against Kafka itself, then the engine
-with records that wait (as a PATCH does) end to end: every output exactly once, the
+with records that wait (as a PATCH does), opened ahead after CRS_TXN_OPEN_AHEAD_MS or on
+their request to the API server, end to end: every output exactly once, the
 offsets committed, the transactions it opened ahead were the ones that committed, and
 the output partitions had been added to them before the records were decided.
 """
@@ -20,6 +21,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
+from service.crs.ports import API_REQUEST_HOOK
 from service.stream.codec import InputRef
 from service.stream.engine import StreamService, StreamSettings
 from service.stream.metrics import StreamMetrics
@@ -65,8 +67,9 @@ class WaitingProcessor:
 
     dlq_topic = "unused-dlq"
 
-    def __init__(self, out: str, wait_s: float) -> None:
+    def __init__(self, out: str, wait_s: float, *, requests_api: bool = False) -> None:
         self.out, self.wait_s = out, wait_s
+        self.requests_api = requests_api
         self.output_topic = out
         self.service: StreamService | None = None
         self.added_before_decided: list[bool] = []
@@ -74,6 +77,10 @@ class WaitingProcessor:
     async def process(
         self, ref: InputRef, key: bytes | None, value: bytes | None, headers: Any, **_: Any
     ) -> OutRecord:
+        if self.requests_api:
+            hook = API_REQUEST_HOOK.get()
+            assert hook is not None
+            hook()  # what the Kubernetes client does before each request
         await asyncio.sleep(self.wait_s)
         assert self.service is not None
         assert key is not None
@@ -96,9 +103,20 @@ class WaitingProcessor:
         raise AssertionError("no record here becomes a stub")
 
 
+@pytest.mark.parametrize(
+    ("requests_api", "open_ahead_ms"),
+    [(False, 2), (True, 60_000)],
+    ids=["after-txn-open-ahead-ms", "on-the-api-request"],
+)
 async def test_records_that_wait_are_committed_in_transactions_opened_ahead(
-    devstack: DevStack, new_topic: Callable[..., Awaitable[str]]
+    devstack: DevStack,
+    new_topic: Callable[..., Awaitable[str]],
+    requests_api: bool,
+    open_ahead_ms: int,
 ) -> None:
+    # Opened ahead once the records have waited txn_open_ahead_ms, or at once when their
+    # decisions say they sent a request to the API server (then the 60 s guess never
+    # runs out within the test).
     bootstrap = devstack.kafka_bootstrap
     source, out = await new_topic("ahead-in", 2), await new_topic("ahead-out", 2)
     group = f"g-ahead-{uuid.uuid4().hex[:8]}"
@@ -108,8 +126,9 @@ async def test_records_that_wait_are_committed_in_transactions_opened_ahead(
         group_id=group,
         client_args={"bootstrap_servers": bootstrap},
         poll_timeout_ms=100,
+        txn_open_ahead_ms=open_ahead_ms,
     )
-    processor = WaitingProcessor(out, 0.03)
+    processor = WaitingProcessor(out, 0.03, requests_api=requests_api)
     service = StreamService(settings, processor, metrics)  # type: ignore[arg-type]
     processor.service = service
     await service.start()

@@ -9,6 +9,7 @@ import functools
 
 from aiokafka.structs import ConsumerRecord
 
+from service.crs.ports import API_REQUEST_HOOK
 from service.stream import deferred, unreadable
 from service.stream.codec import INTERNAL_ERROR, OUTPUT_REJECTED, InputRef, PoisonCode, decode_input
 from service.stream.engine.core import EngineCore, being_cancelled, log, wait_set
@@ -63,6 +64,9 @@ class KeyLanes(EngineCore):
 
     async def _worker(self, part: Partition) -> None:
         ran = 0
+        # The partition hears when a decision sends a request to the API server (see
+        # Committer._commit_loop); the worker's task is its decisions' context.
+        API_REQUEST_HOOK.set(part.awaiting_api)
         try:
             while not part.draining and not part.closed:
                 if not part.ready:

@@ -68,11 +68,20 @@ class Partition:
         # when it is aborted if nothing has been decided by then.
         self.ahead: int | None = None
         self.ahead_until = 0.0
+        # A decision of one of its records has sent a request to the API server since the
+        # committer last began a transaction: open ahead now, not after txn_open_ahead_ms.
+        self.awaits_api = False
         # When its producer's last transaction ended (committed or aborted): see Transactions._send.
         self.txn_ended = float("-inf")
         # The partition's end offset when it was taken over: the records below it may
         # have been processed by its previous owner (see KeyLanes._decide). None until known.
         self.replay_until: int | None = None
+
+    def awaiting_api(self) -> None:
+        """The API_REQUEST_HOOK of its records' decisions (set by its lane workers)."""
+        if not self.awaits_api:
+            self.awaits_api = True
+            self.wake.set()
 
 
 # How a partition that could not be taken over is reported stalled (cleared by the take-over

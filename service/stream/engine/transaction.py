@@ -189,6 +189,7 @@ class Transactions(EngineCore):
             offered = None if ahead is None else (ahead, "")
             if ahead is None:
                 await producer.begin_transaction()
+                part.awaits_api = False  # what waits now is for the next transaction
             try:
                 if ahead is None and self._clock() - part.txn_ended < MARKERS_WINDOW_S:
                     # Right after the previous transaction ended, the broker answers the

@@ -12,6 +12,7 @@ from typing import Any
 from aiokafka.errors import ConsumerStoppedError
 from aiokafka.structs import TopicPartition
 
+from service.crs.ports import API_REQUEST_HOOK
 from service.stream.codec import InputRef
 from service.stream.engine import (
     StreamService,
@@ -41,6 +42,8 @@ class FakeProcessor:
     retries: dict[bytes, int] = field(default_factory=dict)
     calls: list[tuple[int, int]] = field(default_factory=list)
     replays: set[tuple[int, int]] = field(default_factory=set)  # processed as a replay
+    # Values whose decision sends a request to the API server before its gate (a PATCH).
+    requests_api: set[bytes] = field(default_factory=set)
     running: int = 0
     max_running: int = 0
 
@@ -61,6 +64,8 @@ class FakeProcessor:
         self.running += 1
         self.max_running = max(self.max_running, self.running)
         try:
+            if value in self.requests_api and (hook := API_REQUEST_HOOK.get()) is not None:
+                hook()  # what the Kubernetes client does before each request
             gate = self.gates.get(value)
             if gate is not None:
                 await gate.wait()

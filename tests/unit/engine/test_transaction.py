@@ -42,6 +42,44 @@ async def test_a_partition_waiting_on_the_api_opens_its_transaction_ahead(
     await h.stop()
 
 
+async def test_a_decision_that_sends_an_api_request_opens_the_transaction_at_once(
+    broker: FakeBroker,
+) -> None:
+    # txn_open_ahead_ms is a guess at how long a decision that does not wait takes;
+    # one that has sent a request to the API server (a PATCH) says so, and the
+    # transaction is begun then, not once the guess has run out (60 s here).
+    h = Harness(broker, txn_open_ahead_ms=60_000)
+    gate = h.processor.gates[b"v0"] = asyncio.Event()
+    h.processor.requests_api.add(b"v0")
+    broker.append(IN, 0, b"k0", b"v0")
+    await h.start(TP0)
+    producer: FakeProducer = (await h.part()).producer
+    await until(lambda: producer.calls == ["begin", "offsets"])
+    gate.set()
+    await until(lambda: outputs(broker) == [b"v0"])
+    await until(lambda: ahead_count(h, "committed") == 1)
+    assert producer.calls == ["begin", "offsets", "send", "commit"]
+    await h.stop()
+
+
+async def test_a_decision_without_api_requests_waits_for_txn_open_ahead_ms(
+    broker: FakeBroker,
+) -> None:
+    # The hook is the only early path: the same record with the guess at 60 s and no
+    # API request is committed the usual way once decided, never opened ahead.
+    h = Harness(broker, txn_open_ahead_ms=60_000)
+    gate = h.processor.gates[b"v0"] = asyncio.Event()
+    broker.append(IN, 0, b"k0", b"v0")
+    await h.start(TP0)
+    producer: FakeProducer = (await h.part()).producer
+    await until(lambda: h.processor.running == 1)
+    gate.set()
+    await until(lambda: outputs(broker) == [b"v0"])
+    assert producer.calls[:2] == ["begin", "send"]
+    assert ahead_count(h, "committed") == 0
+    await h.stop()
+
+
 async def test_a_transaction_opened_ahead_adds_the_waiting_records_output_partitions(
     broker: FakeBroker,
 ) -> None:
