@@ -54,13 +54,26 @@ class Deliveries:
     async def settle(self) -> None:
         """Wait for every delivery; raise Rejected for refused records, else the first
         other failure."""
-        results = await asyncio.gather(*(f for _, f in self.futures), return_exceptions=True)
-        for (offset, _), res in zip(self.futures, results, strict=True):
-            if isinstance(res, BaseException):
-                if isinstance(res, errors.REFUSED_RECORD):
-                    self.refused(offset, res)
-                else:
-                    raise res
+        # One by one, not asyncio.gather: a record batch's futures are resolved together,
+        # so after the first of a batch the rest are done and awaiting them costs
+        # nothing, where gather adds and runs a callback per record (4 % of the CPU of a
+        # no-host-found event in a backlog). Like gather(return_exceptions=True) it waits
+        # for every delivery before raising.
+        failure: BaseException | None = None
+        for i, (offset, future) in enumerate(self.futures):
+            try:
+                await future
+            except errors.REFUSED_RECORD as exc:
+                self.refused(offset, exc)
+            except asyncio.CancelledError as exc:
+                if being_cancelled():  # this commit is cut short, not the delivery
+                    Deliveries.abandon_all(self.futures[i + 1 :])
+                    raise
+                failure = failure or exc
+            except Exception as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
         if self.rejected:
             assert self.error is not None
             raise Rejected(self.rejected, self.error, alone=self.alone)
@@ -68,7 +81,11 @@ class Deliveries:
     def abandon(self) -> None:
         """The commit failed before its deliveries were awaited: their outcome no longer
         matters (the transaction aborts), but must be retrieved, not logged as lost."""
-        for _, future in self.futures:
+        Deliveries.abandon_all(self.futures)
+
+    @staticmethod
+    def abandon_all(futures: list[tuple[int, Any]]) -> None:
+        for _, future in futures:
             future.add_done_callback(_retrieve)
 
 
