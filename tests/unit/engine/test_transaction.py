@@ -42,18 +42,28 @@ async def test_a_partition_waiting_on_the_api_opens_its_transaction_ahead(
     await h.stop()
 
 
+async def _undecided_for_a_minute(
+    broker: FakeBroker, *, requests_api: bool
+) -> tuple[Harness, asyncio.Event, FakeProducer]:
+    """One record held undecided by its gate, with CRS_TXN_OPEN_AHEAD_MS at 60 s; its
+    decision sends a request to the API server first if ``requests_api``."""
+    h = Harness(broker, txn_open_ahead_ms=60_000)
+    gate = h.processor.gates[b"v0"] = asyncio.Event()
+    if requests_api:
+        h.processor.requests_api.add(b"v0")
+    broker.append(IN, 0, b"k0", b"v0")
+    await h.start(TP0)
+    producer: FakeProducer = (await h.part()).producer
+    return h, gate, producer
+
+
 async def test_a_decision_that_sends_an_api_request_opens_the_transaction_at_once(
     broker: FakeBroker,
 ) -> None:
     # txn_open_ahead_ms is a guess at how long a decision that does not wait takes;
     # one that has sent a request to the API server (a PATCH) says so, and the
     # transaction is begun then, not once the guess has run out (60 s here).
-    h = Harness(broker, txn_open_ahead_ms=60_000)
-    gate = h.processor.gates[b"v0"] = asyncio.Event()
-    h.processor.requests_api.add(b"v0")
-    broker.append(IN, 0, b"k0", b"v0")
-    await h.start(TP0)
-    producer: FakeProducer = (await h.part()).producer
+    h, gate, producer = await _undecided_for_a_minute(broker, requests_api=True)
     await until(lambda: producer.calls == ["begin", "offsets"])
     gate.set()
     await until(lambda: outputs(broker) == [b"v0"])
@@ -67,11 +77,7 @@ async def test_a_decision_without_api_requests_waits_for_txn_open_ahead_ms(
 ) -> None:
     # The hook is the only early path: the same record with the guess at 60 s and no
     # API request is committed the usual way once decided, never opened ahead.
-    h = Harness(broker, txn_open_ahead_ms=60_000)
-    gate = h.processor.gates[b"v0"] = asyncio.Event()
-    broker.append(IN, 0, b"k0", b"v0")
-    await h.start(TP0)
-    producer: FakeProducer = (await h.part()).producer
+    h, gate, producer = await _undecided_for_a_minute(broker, requests_api=False)
     await until(lambda: h.processor.running == 1)
     gate.set()
     await until(lambda: outputs(broker) == [b"v0"])
