@@ -35,7 +35,7 @@ from kubernetes_asyncio import config as k8s_config
 from service.crs.ports import API_REQUEST_HOOK, ApiError, NotFoundError, UnavailableError
 from service.k8s.errors import ResourceExpiredError, error_for_status, map_exception
 from service.k8s.metrics import K8sMetrics
-from service.k8s.transport import Query, Transport
+from service.k8s.transport import JSON, Query, Transport
 from service.model import (
     LABEL_RESERVATION_TYPE,
     RESERVATION_TYPE_COMMITTED_RESOURCE,
@@ -552,7 +552,7 @@ class KubeClient:
         *,
         query: Query | None = None,
         body: bytes | None = None,
-        content_type: str = "application/json",
+        content_type: str = JSON,
     ) -> bytes:
         """Run one API call with a deadline; return the 2xx body or raise an ApiError."""
         what = f"{verb} {kind.plural}/{name}" if name else f"{verb} {kind.plural}"

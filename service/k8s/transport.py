@@ -6,12 +6,12 @@ account) and holds the credentials: its ``Configuration`` (bearer token, with th
 hook that re-reads a rotated service-account token or runs a kubeconfig's exec plugin)
 and the aiohttp session of its ``ApiClient`` (CA, client certificate). What it adds per
 request on top of that (generic parameter sanitising and serialisation, a ``json.dumps``
-of the body) is 27.5 µs of CPU per PATCH,
-against 3.5 µs here, aiohttp excluded (measured in-process with the session's request
-stubbed out); a placement's PATCH costs the client about 600 µs in all. So a request is
-sent here: the path and query built for the four custom resources, the body encoded by
-msgspec, and the credentials asked of the configuration on every request, as
-kubernetes_asyncio does, so that a rotated token is sent from the next request on.
+of the body) is 27.5 µs of CPU per PATCH against 3.5 µs here, aiohttp excluded (measured
+in-process with the session's request stubbed out); a placement's PATCH costs the client
+about 600 µs in all. So a request is sent here: the path and query built for the four
+custom resources, the body encoded by msgspec, and the credentials asked of the
+configuration on every request, as kubernetes_asyncio does, so that a rotated token is
+sent from the next request on.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from urllib.parse import quote, urlencode
 
 import aiohttp
 
-__all__ = ["Query", "Transport"]
+__all__ = ["JSON", "Query", "Transport"]
 
-_JSON: Final = "application/json"
+JSON: Final = "application/json"
 
 # Query parameters by their API names (``labelSelector``, ``resourceVersion``...).
 Query = Mapping[str, str | int | bool]
@@ -45,7 +45,7 @@ class Transport:
         if hasattr(self._session, "_trust_env"):
             self._session._trust_env = False
         self._base = str(self._cfg.host).rstrip("/")
-        self._defaults: dict[str, str] = {**api.default_headers, "Accept": _JSON}
+        self._defaults: dict[str, str] = {**api.default_headers, "Accept": JSON}
         # What the kubeconfig says about the route (proxy-url, tls-server-name).
         self._route: dict[str, Any] = {}
         if getattr(rest, "proxy", None):
@@ -68,7 +68,7 @@ class Transport:
         *,
         query: Query | None = None,
         body: bytes | None = None,
-        content_type: str = _JSON,
+        content_type: str = JSON,
         deadlines: aiohttp.ClientTimeout,
     ) -> aiohttp.ClientResponse:
         """Send one request; the response with its headers read and its body not.

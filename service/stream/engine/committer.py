@@ -95,8 +95,9 @@ class Committer(Transactions):
                     # one has already sent a request to the API server (its decision
                     # waits on it: Partition.awaiting_api). Then at once: with a timer
                     # alone, a placement's transaction began 2 ms into its ~6 ms PATCH
-                    # and its 4.5 ms of requests were not done when the decision was
-                    # (bench_latency.py at 20/s: 1.6 ms from decision to commit at p50).
+                    # and its 4.4-5.6 ms of requests were not done when the decision was
+                    # (bench/stage_trace at 20/s: 1.6-1.8 ms from decision to commit at
+                    # p50, 0.1-0.2 ms with this).
                     if not part.awaits_api:
                         await wait_set(part.wake, ahead_after)
                     if part.ledger.pending and not part.ledger.done_uncommitted:

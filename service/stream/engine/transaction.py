@@ -67,7 +67,7 @@ class Deliveries:
                 self.refused(offset, exc)
             except asyncio.CancelledError as exc:
                 if being_cancelled():  # this commit is cut short, not the delivery
-                    Deliveries.abandon_all(self.futures[i + 1 :])
+                    self.abandon(after=i)
                     raise
                 failure = failure or exc
             except Exception as exc:
@@ -78,14 +78,11 @@ class Deliveries:
             assert self.error is not None
             raise Rejected(self.rejected, self.error, alone=self.alone)
 
-    def abandon(self) -> None:
-        """The commit failed before its deliveries were awaited: their outcome no longer
-        matters (the transaction aborts), but must be retrieved, not logged as lost."""
-        Deliveries.abandon_all(self.futures)
-
-    @staticmethod
-    def abandon_all(futures: list[tuple[int, Any]]) -> None:
-        for _, future in futures:
+    def abandon(self, *, after: int = -1) -> None:
+        """The commit failed before its deliveries (those after index ``after``) were
+        awaited: their outcome no longer matters (the transaction aborts), but must be
+        retrieved, not logged as lost."""
+        for _, future in self.futures[after + 1 :]:
             future.add_done_callback(_retrieve)
 
 
