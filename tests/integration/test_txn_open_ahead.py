@@ -135,6 +135,11 @@ async def test_records_that_wait_are_committed_in_transactions_opened_ahead(
     run = asyncio.create_task(service.run())
     publisher = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
     await publisher.start()
+    # Published only once both partitions are taken over: on a broker that has just
+    # started, joining the group and initialising the producers took longer than the
+    # 2 s of publishing, and the records then arrived as one batch, not one at a time
+    # (2 of 40 opened ahead when this file ran first).
+    await _owned(service, {TopicPartition(source, p) for p in (0, 1)}, run)
     sent = [b"v%03d" % i for i in range(40)]
     try:
         for i, value in enumerate(sent):  # a quiet stream: one record at a time
@@ -157,3 +162,10 @@ async def test_records_that_wait_are_committed_in_transactions_opened_ahead(
     # And the output partitions were added to those transactions before the decision
     # (the first record of each partition: the producer knew no metadata of `out` yet).
     assert sum(processor.added_before_decided) >= len(sent) * 0.8
+
+
+async def _owned(service: StreamService, tps: set[TopicPartition], run: asyncio.Task[None]) -> None:
+    async with asyncio.timeout(60):
+        while not tps <= service.partitions.owned.keys():
+            assert not run.done(), "the engine ended before it owned its partitions"
+            await asyncio.sleep(0.05)
