@@ -7,7 +7,8 @@ request starts: once armed, the first connection that sends ``PATCH <path_prefix
 everything from that request on held back, the way a stalled network or a paused
 process holds a request that was already written. The replica's client times out or
 the replica dies; the held bytes stay, with the connection to the API server open, until
-:meth:`HoldProxy.release` delivers them and reads the API server's answer.
+:meth:`HoldProxy.release` delivers them and reads the API server's answer; from then on
+that connection passes through too (a replica's next request on it, after a conflict say).
 
 Every other connection (watches, reads, other writes) passes through untouched.
 """
@@ -31,6 +32,7 @@ class _Held:
     data: bytearray
     answer: bytearray = field(default_factory=bytearray)
     answered: asyncio.Event = field(default_factory=asyncio.Event)
+    released: bool = False  # delivered: what the replica sends next passes through
 
 
 @dataclass
@@ -80,6 +82,8 @@ class HoldProxy:
         held = self._held
         assert held is not None, "no request held"
         held.upstream.write(bytes(held.data))
+        held.data.clear()
+        held.released = True
         await held.upstream.drain()
         async with asyncio.timeout(timeout_s):
             await held.answered.wait()
@@ -100,8 +104,12 @@ class HoldProxy:
         down.add_done_callback(self._tasks.discard)
         try:
             while chunk := await client_r.read(_CHUNK):
-                if mine:
+                if mine and not mine[0].released:
                     mine[0].data += chunk
+                    continue
+                if mine:  # a later request of the replica on this connection
+                    up_w.write(chunk)
+                    await up_w.drain()
                     continue
                 start = chunk.find(b"PATCH " + self.path_prefix) if self.armed else -1
                 if start < 0:

@@ -248,6 +248,18 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
             "follow the decision; 0: never",
         ),
     ] = 2
+    txn_produce_ahead_ms: Annotated[
+        NonNegativeInt,
+        _env(
+            "CRS_TXN_PRODUCE_AHEAD_MS",
+            "A placement's classification is produced into its partition's transaction "
+            "opened ahead while its allocation write is in flight, so only the "
+            "transaction's end follows the answer; it is discarded (the transaction "
+            "aborted) when the write ends otherwise or is not answered within this, so "
+            "read_committed readers of that output partition wait at most this long behind "
+            "it; 0: never (needs CRS_TXN_OPEN_AHEAD_MS)",
+        ),
+    ] = 100
     fetch_linger_ms: Annotated[
         NonNegativeInt,
         _env(

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from typing import Final, Protocol
 
 from service.crs.evaluator import SlotEvaluator
+from service.crs.outcome import Outcome
 from service.model import CommittedResource, Knowledge, Reservation
 
 __all__ = [
     "API_REQUEST_HOOK",
+    "OUTCOME_HOOK",
     "ApiError",
     "ClusterState",
     "ConflictError",
@@ -37,6 +39,15 @@ __all__ = [
 # other and a request made outside a decision (the informer's) calls nothing.
 API_REQUEST_HOOK: Final[ContextVar[Callable[[], None] | None]] = ContextVar(
     "crs_api_request_hook", default=None
+)
+
+# Called by the Recorder right before it sends a placement's guarded write, with the
+# Outcome it will return if that write succeeds at the first try. The stream layer sets
+# it around a decision to produce that outcome's classification into the partition's
+# open transaction while the write is in flight (see the engine's committer), so that
+# only the transaction's end is left when the answer comes; any other answer discards it.
+OUTCOME_HOOK: Final[ContextVar[Callable[[Outcome], None] | None]] = ContextVar(
+    "crs_outcome_hook", default=None
 )
 
 

@@ -39,6 +39,7 @@ from service.crs.flavors import (
 from service.crs.intent import resolve_intent
 from service.crs.outcome import AllocationStatus, Outcome, OutcomeKind
 from service.crs.ports import (
+    OUTCOME_HOOK,
     ClusterState,
     ConflictError,
     NotFoundError,
@@ -333,6 +334,20 @@ class Recorder:
                     "cpu": format_decimal_si(match.vcpus),
                 },
             }
+            hook = OUTCOME_HOOK.get()
+
+            def expect(reservation: str) -> None:
+                if hook is not None:
+                    hook(
+                        outcome(
+                            cr_slot,
+                            group,
+                            reservation=reservation,
+                            allocation=AllocationStatus.WRITTEN,
+                            vm_memory_bytes=vm_mem,
+                        )
+                    )
+
             status, reservation, conflicts = await self._claim_slot(
                 snapshot.evaluator.slots_for_host(target, project_id, group),
                 target=target,
@@ -343,6 +358,7 @@ class Recorder:
                 allocation=allocation,
                 log=log,
                 replay=replay,
+                expect=expect,
             )
             # Counted once the write is settled (the reference counts just before it): a
             # write that fails with an outage makes the caller retry the event, and counting
@@ -369,10 +385,12 @@ class Recorder:
         allocation: dict[str, object],
         log: structlog.typing.FilteringBoundLogger,
         replay: bool = False,
+        expect: Callable[[str], None] | None = None,
     ) -> tuple[AllocationStatus, str | None, int]:
         """Idempotency check, slot choice and guarded write, re-decided after a conflict.
 
-        Returns (status, reservation name, number of conflicts met).
+        Returns (status, reservation name, number of conflicts met). ``expect`` is told
+        the slot of a first write before it is sent (see ports.OUTCOME_HOOK).
 
         A write that ended without an answer may still land: the client gave up, but
         the request can be in flight at the API server, and its guard (the
@@ -446,6 +464,8 @@ class Recorder:
             else:
                 log.info("allocation_resent", reservation=chosen.name)
             name = chosen.name
+            if expect is not None and not conflicts and body is allocation:
+                expect(name)  # the outcome if this write succeeds: WRITTEN, no conflict
             try:
                 await self._state.patch_allocation(chosen, instance_uuid, body)
             except (ConflictError, NotFoundError) as exc:

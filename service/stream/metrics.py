@@ -175,12 +175,24 @@ class StreamMetrics:
         self.opened_ahead = Counter(
             "crs_txn_opened_ahead",
             "Transactions a partition opened while its records waited on the Kubernetes "
-            "API, by how they ended (committed, or aborted when nothing was decided)",
+            "API, by how they ended (committed, or aborted: nothing decided in time, or "
+            "an output produced ahead discarded)",
             ["outcome"],
             registry=r,
         )
         for outcome in ("committed", "aborted"):
             self.opened_ahead.labels(outcome)
+        self.produced_ahead = Counter(
+            "crs_outputs_produced_ahead",
+            "Placements' classifications produced into a transaction opened ahead while "
+            "their allocation writes were in flight (CRS_TXN_PRODUCE_AHEAD_MS): published "
+            "with their commit, or discarded with the transaction (the decision ended "
+            "otherwise, another record was decided first, or no answer in time)",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("published", "discarded"):
+            self.produced_ahead.labels(outcome)
         self.fenced = Counter(
             "crs_fenced",
             "Input partitions whose producer was fenced by a newer owner (work dropped)",

@@ -22,7 +22,8 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ import structlog
 
 from service.crs import Recorder
 from service.crs.outcome import AllocationStatus, Outcome
-from service.crs.ports import ApiError, ForbiddenError
+from service.crs.ports import OUTCOME_HOOK, ApiError, ForbiddenError
 from service.stream import dlq_headers as H
 from service.stream.codec import (
     INTERNAL_ERROR,
@@ -47,6 +48,7 @@ from service.stream.metrics import StreamMetrics
 
 __all__ = [
     "DEFAULT_MAX_RECORD_BYTES",
+    "EXPECTED_OUTPUT",
     "DeadLetterBounds",
     "DeadLetterSource",
     "OutRecord",
@@ -191,6 +193,18 @@ class OutRecord:
     headers: list[tuple[str, bytes]]
     dead_letter: bool = False
     source: DeadLetterSource | None = None
+
+
+# Set by the engine for its decisions: told (input offset, record) the classification a
+# placement will have if its guarded write succeeds, before the write is sent
+# (ports.OUTCOME_HOOK), so the engine can produce it into the partition's open transaction
+# while the write is in flight. When the decision ends with that outcome, process()
+# returns the very record it was told; anything else (another slot after a conflict, a
+# failed write, a retry) is a different record, and the engine discards what it produced
+# ahead.
+EXPECTED_OUTPUT: ContextVar[Callable[[int, OutRecord], None] | None] = ContextVar(
+    "crs_expected_output", default=None
+)
 
 
 def stub_dead_letter(out: OutRecord, *, error: str | None = None) -> OutRecord:
@@ -469,11 +483,32 @@ class Processor:
 
         request = event.data.request
         bound.event_id, bound.instance_uuid = event.id, request.instance_uuid
+        out_key = request.instance_uuid.encode() or key
+        expected: list[tuple[Outcome, OutRecord]] = []  # (outcome, its record) told ahead
+        ahead = EXPECTED_OUTPUT.get()
+        token = None
+        if ahead is not None and event.data.decision.result.target_host is not None:
+
+            def expect(outcome: Outcome) -> None:
+                told = self._classification(encode_output(event, ref, outcome), out_key)
+                expected[:] = [(outcome, told)]
+                ahead(ref.offset, told)
+
+            token = OUTCOME_HOOK.set(expect)
         try:
-            outcome = await self._recorder.record(
-                event.data.decision, request, replay=replay, placed_at=event.time
-            )
-            encoded = encode_output(event, ref, outcome)
+            try:
+                outcome = await self._recorder.record(
+                    event.data.decision, request, replay=replay, placed_at=event.time
+                )
+            finally:
+                if token is not None:
+                    OUTCOME_HOOK.reset(token)
+            if expected and expected[0][0] == outcome:
+                # The record the engine was told ahead (and may have produced): the same
+                # object back says so (an equal one would be produced again).
+                out = expected[0][1]
+            else:
+                out = self._classification(encode_output(event, ref, outcome), out_key)
         except ApiError as exc:
             # 401/403 is a deployment problem (RBAC, credentials) that an operator fixes:
             # the events wait in their lanes (retried like an outage, up to max_attempts)
@@ -516,10 +551,13 @@ class Processor:
                 allocation=outcome.allocation,
                 conflicts=outcome.conflicts,
             )
+        return out
+
+    def _classification(self, value: bytes, key: bytes | None) -> OutRecord:
         return OutRecord(
             topic=self._output_topic,
-            key=request.instance_uuid.encode() or key,
-            value=encoded,
+            key=key,
+            value=value,
             headers=[("content-type", b"application/cloudevents+json")],
         )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime
 from typing import Any
 
@@ -9,11 +10,11 @@ import msgspec
 import pytest
 
 from service.crs.outcome import AllocationStatus, CrSlot, Outcome, OutcomeKind
-from service.crs.ports import ForbiddenError, InvalidError, UnavailableError
+from service.crs.ports import OUTCOME_HOOK, ForbiddenError, InvalidError, UnavailableError
 from service.model import Decision, ExternalSchedulerRequest
 from service.stream.codec import InputRef, encode_input
 from service.stream.metrics import StreamMetrics
-from service.stream.processor import Processor, RetryLater
+from service.stream.processor import EXPECTED_OUTPUT, Processor, RetryLater
 from tests import nova
 
 VM = "4f1e7b7e-0000-4000-8000-000000000001"
@@ -249,3 +250,66 @@ async def test_a_bug_costs_one_event_not_the_service() -> None:
     out = await proc.process(REF, VM.encode(), value, headers)
     assert dict(out.headers)["crs.error"] == b"internal_error"
     assert out.value == value
+
+
+class TellingRecorder(ScriptedRecorder):
+    """Tells ``told`` ahead when the hook is set (ports.OUTCOME_HOOK, as the Recorder
+    does before a PATCH), then answers."""
+
+    def __init__(self, told: Outcome, answer: Any) -> None:
+        super().__init__(answer)
+        self.told = told
+
+    async def _next(
+        self, kind: str, decision: Decision, request: ExternalSchedulerRequest
+    ) -> Outcome:
+        hook = OUTCOME_HOOK.get()
+        if hook is not None:
+            hook(self.told)
+        return await super()._next(kind, decision, request)
+
+
+async def _process_telling(told: Outcome, answer: Any) -> tuple[Any, list[tuple[int, Any]]]:
+    """(the processor's output, what the engine was told) for a placement."""
+    expected: list[tuple[int, Any]] = []
+    proc, _ = make(TellingRecorder(told, answer))
+    value, headers = event()
+    token = EXPECTED_OUTPUT.set(lambda offset, out: expected.append((offset, out)))
+    try:
+        out = await proc.process(REF, VM.encode(), value, headers)
+    finally:
+        EXPECTED_OUTPUT.reset(token)
+    return out, expected
+
+
+async def test_a_placement_ending_as_told_returns_the_very_record_told_ahead() -> None:
+    # The engine skips producing again only for the same object: it was produced ahead.
+    out, expected = await _process_telling(outcome(), outcome())
+    assert [(offset, record is out) for offset, record in expected] == [(REF.offset, True)]
+    data = msgspec.json.decode(out.value)["data"]
+    assert (data["reservation"], data["allocation"]) == ("slot-1", "written")
+
+
+async def test_a_placement_ending_otherwise_returns_another_record() -> None:
+    told = outcome()
+    ended = dataclasses.replace(told, reservation="slot-2", conflicts=3)  # after a conflict
+    out, expected = await _process_telling(told, ended)
+    assert len(expected) == 1
+    assert expected[0][1] is not out
+    assert msgspec.json.decode(out.value)["data"]["reservation"] == "slot-2"
+    # A retry (the API server unavailable) returns no record at all.
+    with pytest.raises(RetryLater):
+        await _process_telling(told, UnavailableError("down"))
+
+
+async def test_no_host_found_is_never_told_ahead() -> None:
+    # It writes nothing: its output is produced after its decision, as always.
+    proc, _ = make(TellingRecorder(outcome(), outcome("no_host_found", "no_cr")))
+    expected: list[Any] = []
+    value, headers = event(None)
+    token = EXPECTED_OUTPUT.set(lambda offset, out: expected.append(out))
+    try:
+        await proc.process(REF, VM.encode(), value, headers)
+    finally:
+        EXPECTED_OUTPUT.reset(token)
+    assert expected == []

@@ -26,6 +26,7 @@ from service.crs import Recorder, new_no_host_found_counter, new_placement_count
 from service.crs import recorder as recorder_module
 from service.crs.outcome import AllocationStatus, Outcome
 from service.crs.ports import (
+    OUTCOME_HOOK,
     ClusterState,
     ConflictError,
     NotFoundError,
@@ -1001,3 +1002,59 @@ async def test_a_replay_on_a_lagging_watch_cache_reads_the_host_fresh_before_wri
         assert UUID not in env.allocations("slot-p")
     else:  # what a live event decides on the lagging cache: why replays read fresh
         assert (again.allocation, again.reservation) == (AllocationStatus.WRITTEN, "slot-p")
+
+
+# --- the outcome told ahead (ports.OUTCOME_HOOK) ---------------------------------------------
+
+
+async def _told(env: Env) -> tuple[Outcome, list[Outcome], list[int]]:
+    """A placement with OUTCOME_HOOK set: (its outcome, what was told, how many PATCHes
+    had been sent at each telling)."""
+    told: list[Outcome] = []
+    sent_by_then: list[int] = []
+
+    def hook(outcome: Outcome) -> None:
+        told.append(outcome)
+        sent_by_then.append(sum(env.state.patch_results.values()))
+
+    token = OUTCOME_HOOK.set(hook)
+    try:
+        out = await place(env.recorder)
+    finally:
+        OUTCOME_HOOK.reset(token)
+    return out, told, sent_by_then
+
+
+async def test_a_written_placement_is_told_ahead_before_its_write_as_it_ends(env: Env) -> None:
+    env.seed(*standard_world(f.reservation("slot-1", host=HOST, memory="8Gi")))
+    out, told, sent_by_then = await _told(env)
+    assert out.allocation == AllocationStatus.WRITTEN
+    assert told == [out]  # equal: the stream layer publishes what it produced ahead
+    assert sent_by_then == [0]  # before the PATCH
+
+
+async def test_a_placement_that_meets_a_conflict_ends_other_than_told(env: Env) -> None:
+    env.seed(
+        *standard_world(
+            f.reservation("slot-a", host=HOST, memory="8Gi"),
+            f.reservation("slot-b", host=HOST, memory="16Gi"),
+        )
+    )
+
+    async def delete_first(res: Reservation, n: int) -> None:
+        if n == 1:
+            env.state.delete("Reservation", res.name)
+
+    env.state.before_patch = delete_first
+    out, told, _ = await _told(env)
+    assert (out.reservation, out.conflicts) == ("slot-b", 1)
+    assert [t.reservation for t in told] == ["slot-a"]  # only the first write is told
+    assert out not in told
+
+
+async def test_no_write_no_telling(env: Env) -> None:
+    env.seed(*standard_world(f.reservation("slot-1", host=HOST, memory="8Gi")))
+    await place(env.recorder)  # written; the second event of the VM finds it there
+    out, told, _ = await _told(env)
+    assert out.allocation == AllocationStatus.ALREADY_PRESENT
+    assert told == []

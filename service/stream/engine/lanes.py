@@ -14,7 +14,7 @@ from service.stream import deferred, unreadable
 from service.stream.codec import INTERNAL_ERROR, OUTPUT_REJECTED, InputRef, PoisonCode, decode_input
 from service.stream.engine.core import EngineCore, being_cancelled, log, wait_set
 from service.stream.engine.state import Done, Partition
-from service.stream.processor import OutRecord, RetryLater, stub_dead_letter
+from service.stream.processor import EXPECTED_OUTPUT, OutRecord, RetryLater, stub_dead_letter
 
 # A lane worker with nothing to do for this long ends (a burst leaves no idle tasks).
 _WORKER_IDLE_S = 5.0
@@ -67,6 +67,8 @@ class KeyLanes(EngineCore):
         # The partition hears when a decision sends a request to the API server (see
         # Committer._commit_loop); the worker's task is its decisions' context.
         API_REQUEST_HOOK.set(part.awaiting_api)
+        if part.producer is not None and self._s.txn_open_ahead_ms and self._s.txn_produce_ahead_ms:
+            EXPECTED_OUTPUT.set(part.expect)  # and of the outputs they expect
         try:
             while not part.draining and not part.closed:
                 if not part.ready:

@@ -95,6 +95,9 @@ class StreamSettings:
     # ... and aborts it when nothing was decided this long after (well below the
     # producer's transaction.timeout.ms, 60 s, after which the broker would fence it).
     txn_open_ahead_max_s: float = 5.0
+    # A placement's classification produced into the transaction opened ahead while its
+    # write is in flight is discarded when not decided within this; 0: never produced ahead.
+    txn_produce_ahead_ms: int = _SHIPPED.txn_produce_ahead_ms
     # Where a partition the group never committed starts: "earliest" (offset 0: every
     # retained record) or "latest" (its end when taken over). aiokafka also resets a
     # position out of range (retention deleted it, the log was truncated) so.
@@ -123,6 +126,7 @@ class StreamSettings:
             commit_burst=c.commit_burst,
             txn_retry_backoff_ms=c.txn_retry_backoff_ms,
             txn_open_ahead_ms=c.txn_open_ahead_ms,
+            txn_produce_ahead_ms=c.txn_produce_ahead_ms,
             commit_max_records=c.commit_max_records,
             retry_backoff_s=c.retry_backoff_s,
             retry_backoff_max_s=c.retry_backoff_max_s,

@@ -68,6 +68,13 @@ class Partition:
         # when it is aborted if nothing has been decided by then.
         self.ahead: int | None = None
         self.ahead_until = 0.0
+        # Classifications its decisions were told ahead while their writes are in flight
+        # (processor.EXPECTED_OUTPUT), by input offset, until the committer produces them
+        # into the transaction opened ahead (produced: with their deliveries, discarded
+        # unless committed by produced_until; see Committer._produce_expected).
+        self.expected: dict[int, OutRecord] = {}
+        self.produced: dict[int, tuple[OutRecord, Any]] = {}
+        self.produced_until = float("inf")
         # A decision of one of its records has sent a request to the API server since the
         # committer last began a transaction: open ahead now, not after txn_open_ahead_ms.
         self.awaits_api = False
@@ -76,6 +83,11 @@ class Partition:
         # The partition's end offset when it was taken over: the records below it may
         # have been processed by its previous owner (see KeyLanes._decide). None until known.
         self.replay_until: int | None = None
+
+    def expect(self, offset: int, out: OutRecord) -> None:
+        """The EXPECTED_OUTPUT of its records' decisions (set by its lane workers)."""
+        self.expected[offset] = out
+        self.wake.set()
 
     def awaiting_api(self) -> None:
         """The API_REQUEST_HOOK of its records' decisions (set by its lane workers)."""

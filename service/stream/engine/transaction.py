@@ -13,6 +13,7 @@ from service.stream import aiokafka_internals, deferred, errors
 from service.stream.engine.core import EngineCore, being_cancelled, log
 from service.stream.engine.state import Done, Partition, Unsure
 from service.stream.ledger import CommitPlan
+from service.stream.processor import OutRecord
 
 # How long after a transaction ended the broker may still be writing its markers: a
 # transaction begun within this sends its offsets first (see _send). Back to back
@@ -83,12 +84,22 @@ class Deliveries:
         awaited: their outcome no longer matters (the transaction aborts), but must be
         retrieved, not logged as lost."""
         for _, future in self.futures[after + 1 :]:
-            future.add_done_callback(_retrieve)
+            future.add_done_callback(retrieve)
 
 
-def _retrieve(future: Any) -> None:
+def retrieve(future: Any) -> None:
+    """A done callback: the delivery's failure, if any, is seen (not logged as lost)."""
     if not future.cancelled():
         future.exception()
+
+
+def forget_produced(part: Partition) -> dict[int, tuple[OutRecord, Any]]:
+    """The outputs produced ahead into ``part``'s transaction opened ahead, taken: that
+    transaction is ending (each delivery already has :func:`retrieve`)."""
+    produced = part.produced
+    part.produced, part.produced_until = {}, float("inf")
+    part.expected.clear()
+    return produced
 
 
 class Transactions(EngineCore):
@@ -199,6 +210,15 @@ class Transactions(EngineCore):
         if part.producer is not None:
             producer = part.producer
             ahead, part.ahead = part.ahead, None
+            produced = forget_produced(part)
+            if produced and not _carries(plan, produced):
+                # It holds an output produced ahead that this plan does not publish (its
+                # record undecided, or decided otherwise): abort it, begin afresh.
+                self._metrics.opened_ahead.labels("aborted").inc()
+                self._metrics.produced_ahead.labels("discarded").inc(len(produced))
+                await producer.abort_transaction()
+                part.txn_ended = self._clock()
+                ahead, produced = None, {}
             # The offset this transaction has sent so far (the broker keeps the last).
             offered = None if ahead is None else (ahead, "")
             if ahead is None:
@@ -221,7 +241,7 @@ class Transactions(EngineCore):
                 # produced, the group; one round trip fewer than offsets first (4
                 # sequential requests instead of 5: a quiet partition's output is
                 # committed that much sooner).
-                pending = await self._enqueue(producer, tp, plan)
+                pending = await self._enqueue(producer, tp, plan, produced)
                 try:
                     if offered != (plan.offset, plan.metadata):
                         await producer.send_offsets_to_transaction(offsets, self._s.group_id)
@@ -245,15 +265,22 @@ class Transactions(EngineCore):
             part.txn_ended = self._clock()
             if ahead is not None:
                 self._metrics.opened_ahead.labels("committed").inc()
+                if produced:
+                    self._metrics.produced_ahead.labels("published").inc(len(produced))
         else:
             await (await self._enqueue(self._shared_producer, tp, plan)).settle()
             await self._consumer.commit(offsets)
 
     async def _enqueue(
-        self, producer: Any, tp: TopicPartition, plan: CommitPlan[Done]
+        self,
+        producer: Any,
+        tp: TopicPartition,
+        plan: CommitPlan[Done],
+        produced: dict[int, tuple[OutRecord, Any]] | None = None,
     ) -> Deliveries:
-        """Hand every output of ``plan`` (of input partition ``tp``) to the producer;
-        their deliveries to settle.
+        """Hand every output of ``plan`` (of input partition ``tp``) to the producer,
+        except those already ``produced`` ahead into this transaction; their deliveries
+        to settle.
 
         When the plan holds an output the broker refused in a batch of several, each
         output is delivered (or refused) before the next is sent, so each is a record
@@ -264,6 +291,9 @@ class Transactions(EngineCore):
         deliveries = Deliveries(alone=alone)
         try:
             for offset, done in plan.items:
+                if produced and offset in produced:
+                    deliveries.futures.append((offset, produced[offset][1]))
+                    continue
                 r = done.out
                 try:
                     future = await producer.send(r.topic, r.value, key=r.key, headers=r.headers)
@@ -317,6 +347,12 @@ class Transactions(EngineCore):
             retry_in_s=round(delay, 3),
         )
         self._reacquire(part, delay=delay, reason=reason)
+
+
+def _carries(plan: CommitPlan[Done], produced: dict[int, tuple[OutRecord, Any]]) -> bool:
+    """Whether each output produced ahead is its record's output in ``plan``."""
+    outs = {offset: done.out for offset, done in plan.items}
+    return all(outs.get(offset) is out for offset, (out, _) in produced.items())
 
 
 async def _abort_quietly(producer: Any) -> None:

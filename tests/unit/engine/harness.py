@@ -20,7 +20,7 @@ from service.stream.engine import (
 )
 from service.stream.metrics import StreamMetrics
 from service.stream.partitioner import partition_for_key
-from service.stream.processor import OutRecord, Processor, RetryLater
+from service.stream.processor import EXPECTED_OUTPUT, OutRecord, Processor, RetryLater
 from tests.fake_kafka import FakeBroker, FakeConsumer, FakeProducer
 from tests.unit.engine.virtual_time import VirtualTimeLoop
 
@@ -44,6 +44,9 @@ class FakeProcessor:
     replays: set[tuple[int, int]] = field(default_factory=set)  # processed as a replay
     # Values whose decision sends a request to the API server before its gate (a PATCH).
     requests_api: set[bytes] = field(default_factory=set)
+    # Values whose decision tells the engine its output ahead, before its gate (a PATCH
+    # in flight), mapped to the value it is then decided with (itself: as told).
+    told_ahead: dict[bytes, bytes] = field(default_factory=dict)
     running: int = 0
     max_running: int = 0
 
@@ -64,6 +67,10 @@ class FakeProcessor:
         self.running += 1
         self.max_running = max(self.max_running, self.running)
         try:
+            told = None
+            if value in self.told_ahead and (expect := EXPECTED_OUTPUT.get()) is not None:
+                told = OutRecord(topic="out", key=key, value=value, headers=[])
+                expect(ref.offset, told)  # what the processor does before a PATCH
             if value in self.requests_api and (hook := API_REQUEST_HOOK.get()) is not None:
                 hook()  # what the Kubernetes client does before each request
             gate = self.gates.get(value)
@@ -72,7 +79,10 @@ class FakeProcessor:
             if attempt <= self.retries.get(value, 0):
                 raise RetryLater(RuntimeError("api down"), attempt)
             self.metrics.events.labels("placement", "slot_used").inc()
-            return OutRecord(topic="out", key=key, value=value, headers=[])
+            decided = self.told_ahead.get(value, value)
+            if told is not None and decided == value:
+                return told  # the very record told ahead: the processor's contract
+            return OutRecord(topic="out", key=key, value=decided, headers=[])
         finally:
             self.running -= 1
 
