@@ -93,6 +93,11 @@ def main() -> int:
         if spans:
             print(f"{label}: {len(spans)}, ms p50 {pct(spans, 0.5):.2f} p90 {pct(spans, 0.9):.2f}")
     for e in events:
+        if e[0] == "produced_ahead":
+            print(
+                f"outputs produced ahead: {e[1]['published']:.0f} published,"
+                f" {e[1]['discarded']:.0f} discarded"
+            )
         if e[0] == "kafka_requests":
             traced = len(records)
             print(f"Kafka requests for {traced} records ({len(commits)} commits):")

@@ -86,16 +86,38 @@ def _count_requests() -> Counter[str]:
     return counts
 
 
+def _stream_metrics() -> list[Any]:
+    """The engine's metrics, once it has made them (to read the produced-ahead counts)."""
+    from service.stream.metrics import StreamMetrics
+
+    made: list[Any] = []
+    original = StreamMetrics.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    StreamMetrics.__init__ = init  # type: ignore[method-assign]
+    return made
+
+
 def _install() -> None:
     import importlib
 
     for module, cls, method, kind in TARGETS:
         _wrap(getattr(importlib.import_module(module), cls), method, kind)
     requests = _count_requests()
+    metrics = _stream_metrics()
 
     def dump() -> None:
+        ahead = {
+            outcome: sum(m.produced_ahead.labels(outcome)._value.get() for m in metrics)
+            for outcome in ("published", "discarded")
+        }
         with open(f"{os.environ['CRS_TRACE_OUT']}.{os.getpid()}", "w") as out:
-            json.dump([*_events, ["kafka_requests", dict(requests)]], out)
+            json.dump(
+                [*_events, ["kafka_requests", dict(requests)], ["produced_ahead", ahead]], out
+            )
 
     atexit.register(dump)
 

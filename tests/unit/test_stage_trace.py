@@ -30,6 +30,9 @@ def test_every_traced_method_exists() -> None:
     from aiokafka.conn import AIOKafkaConnection
 
     assert callable(AIOKafkaConnection.send)  # counted by _count_requests
+    from service.stream.metrics import StreamMetrics
+
+    assert StreamMetrics().produced_ahead.labels("published")._value.get() == 0  # dump()
     for module, cls, method, _ in tracer.TARGETS:
         assert callable(getattr(getattr(importlib.import_module(module), cls), method)), (
             f"{module}.{cls}.{method}"
@@ -45,6 +48,7 @@ def test_the_report_splits_a_record_into_its_stages(tmp_path: Path) -> None:
         ["sent", 0, 8, 100.010, 100.012, True],
         ["end_txn", 0, 0, 100.0115, 100.012],
         ["kafka_requests", {"EndTxnRequest": 1, "ProduceRequest": 2}],
+        ["produced_ahead", {"published": 1.0, "discarded": 0.0}],
     ]
     (tmp_path / "t.123").write_text(json.dumps(events))
     report = subprocess.run(
@@ -68,6 +72,7 @@ def test_the_report_splits_a_record_into_its_stages(tmp_path: Path) -> None:
     assert "EndTxn: 1, ms p50 0.50" in report
     assert "ProduceRequest" in report
     assert "2.00 per record" in report
+    assert "outputs produced ahead: 1 published, 0 discarded" in report
 
 
 def test_the_report_fails_on_an_empty_trace(tmp_path: Path) -> None:

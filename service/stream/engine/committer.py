@@ -183,6 +183,13 @@ class Committer(Transactions):
         produced ahead for a hung write would hold them back up to txn_open_ahead_max_s.
         """
         expected, part.expected = part.expected, {}
+        if part.ledger.pending > len(expected) + len(part.produced):
+            # Other records are undecided too: one of them would likely be decided first
+            # and the transaction aborted (an abort and a Produce more, for nothing).
+            # bench/stage_trace, 30 s at 200 events/s with half placements: producing
+            # ahead regardless discarded 653 of 919; only on a partition with nothing
+            # else undecided, 131 of 423. At 20 events/s: 330 of 330 published either way.
+            return
         tp, producer = part.tp, part.producer
         sent_alone = self._table.alone.get(tp, set())
         stubbed = self._table.oversized.get(tp, set())

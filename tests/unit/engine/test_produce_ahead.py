@@ -110,3 +110,30 @@ def test_the_shipped_window_is_short() -> None:
     # long; it must stay far below txn_open_ahead_max_s (the open transaction's bound).
     s = StreamSettings(input_topic=IN, group_id="g")
     assert 0 < s.txn_produce_ahead_ms / 1000 < s.txn_open_ahead_max_s / 10
+
+
+async def test_nothing_is_produced_ahead_while_another_record_is_undecided(
+    broker: FakeBroker,
+) -> None:
+    # The other record would likely be decided first and the transaction aborted:
+    # both go the usual way, nothing produced ahead, nothing discarded.
+    h = Harness(broker)
+    gates = {v: h.processor.gates.setdefault(v, asyncio.Event()) for v in (b"v0", b"v1")}
+    h.processor.requests_api.add(b"v0")
+    h.processor.told_ahead[b"v0"] = b"v0"
+    broker.append(IN, 0, b"k1", b"v1")
+    broker.append(IN, 0, b"k0", b"v0")
+    await h.start(TP0)
+    producer: FakeProducer = (await h.part()).producer
+    await until(lambda: producer.calls == ["begin", "offsets"])  # opened ahead, no send
+    for gate in gates.values():
+        gate.set()
+    await until(lambda: sorted(outputs(broker)) == [b"v0", b"v1"])
+    await until(lambda: producer.calls[-1] == "commit")
+    assert producer.calls.count("send") == 2  # each once, after its decision
+    ahead = h.metrics.produced_ahead
+    assert (ahead.labels("published")._value.get(), ahead.labels("discarded")._value.get()) == (
+        0,
+        0,
+    )
+    await h.stop()
