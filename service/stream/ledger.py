@@ -152,6 +152,10 @@ class Ledger(Generic[T]):
     def pending(self) -> int:
         return len(self._pending)
 
+    def is_pending(self, offset: int) -> bool:
+        """Whether the record at ``offset`` was received and is not decided yet."""
+        return offset in self._pending
+
     @property
     def done_uncommitted(self) -> int:
         return len(self._done)

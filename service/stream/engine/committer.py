@@ -154,12 +154,15 @@ class Committer(Transactions):
                 # Transactions._send). Added after the offsets instead, a partition's
                 # failure (an output ACL) would surface only at the next send, as a
                 # misleading IllegalOperation.
-                if self._clock() - part.txn_ended >= transaction.MARKERS_WINDOW_S:
+                after_markers = self._clock() - part.txn_ended >= transaction.MARKERS_WINDOW_S
+                if after_markers:
                     aiokafka_internals.add_partitions_to_txn(
                         producer, self._processor.output_topic, keys
                     )
-                await self._produce_expected(part)
+                    await self._produce_expected(part)
                 await producer.send_offsets_to_transaction(offsets, self._s.group_id)
+                if not after_markers:  # an output first would wait the fixed 20 ms too
+                    await self._produce_expected(part)
 
             await self._outside_commit(part, begin())
 
@@ -182,8 +185,16 @@ class Committer(Transactions):
         output partitions wait behind an open transaction's first record, so an outputs
         produced ahead for a hung write would hold them back up to txn_open_ahead_max_s.
         """
-        expected, part.expected = part.expected, {}
-        if part.ledger.pending > len(expected) + len(part.produced):
+        ledger = part.ledger
+        # Told again (a retried decision): the first is in the transaction, so the
+        # decision can no longer return what it holds; the commit aborts it.
+        expected = {
+            offset: out
+            for offset, out in part.expected.items()
+            if ledger.is_pending(offset) and offset not in part.produced
+        }
+        part.expected = {}
+        if ledger.pending > len(expected) + len(part.produced):
             # Other records are undecided too: one of them would likely be decided first
             # and the transaction aborted (an abort and a Produce more, for nothing).
             # bench/stage_trace, 30 s at 200 events/s with half placements: producing

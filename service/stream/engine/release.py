@@ -95,6 +95,9 @@ class Release(EngineCore):
         if part.released:
             return
         part.released = True
+        if part.produced:  # its open transaction ends aborted (the close, or the next owner)
+            self._metrics.produced_ahead.labels("discarded").inc(len(part.produced))
+            part.produced = {}
         part.wake.set()
         if self._table.parts.get(part.tp) is part:
             del self._table.parts[part.tp]

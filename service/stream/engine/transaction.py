@@ -95,10 +95,10 @@ def retrieve(future: Any) -> None:
 
 def forget_produced(part: Partition) -> dict[int, tuple[OutRecord, Any]]:
     """The outputs produced ahead into ``part``'s transaction opened ahead, taken: that
-    transaction is ending (each delivery already has :func:`retrieve`)."""
+    transaction is ending (each delivery already has :func:`retrieve`). What undecided
+    records were told and not produced yet stays for the next one."""
     produced = part.produced
     part.produced, part.produced_until = {}, float("inf")
-    part.expected.clear()
     return produced
 
 
@@ -260,6 +260,8 @@ class Transactions(EngineCore):
                 if not (isinstance(exc, asyncio.CancelledError) and part.draining):
                     await _abort_quietly(producer)
                 part.txn_ended = self._clock()
+                if produced:  # aborted here, or by whoever takes the partition over
+                    self._metrics.produced_ahead.labels("discarded").inc(len(produced))
                 raise
             await producer.commit_transaction()
             part.txn_ended = self._clock()

@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from service.stream.engine import StreamSettings
+from service.stream.engine import transaction as transaction_module
 from tests.fake_kafka import FakeBroker, FakeProducer
 from tests.unit.engine.harness import IN, TP0, Harness, ahead_count, outputs, until
 
@@ -136,4 +139,62 @@ async def test_nothing_is_produced_ahead_while_another_record_is_undecided(
         0,
         0,
     )
+    await h.stop()
+
+
+async def test_a_retried_decision_that_is_told_again_is_published_once(
+    broker: FakeBroker,
+) -> None:
+    # Attempt 1 tells its output, which is produced ahead, then ends RetryLater (the API
+    # server unavailable); attempt 2, within the window, tells another record (the same
+    # classification, made again) and waits on its write. The first is in the
+    # transaction and the decision can no longer return it: the second is not produced
+    # ahead, the transaction is aborted, the decision's record published once.
+    h = Harness(broker)
+    gate = h.processor.gates[b"v0"] = asyncio.Event()
+    h.processor.requests_api.add(b"v0")
+    h.processor.told_ahead[b"v0"] = b"v0"
+    h.processor.retries[b"v0"] = 1
+    broker.append(IN, 0, b"k0", b"v0")
+    await h.start(TP0)
+    part = await h.part()
+    producer: FakeProducer = part.producer
+    await until(lambda: producer.calls == ["begin", "send", "offsets"])
+    gate.set()  # attempt 1 goes on to its RetryLater
+    gate.clear()  # and attempt 2 waits here, told again
+    await until(lambda: len(h.processor.calls) == 2 and not part.expected)
+    gate.set()
+    await until(lambda: producer.calls[-1] == "commit")
+    assert outputs(broker) == [b"v0"]
+    assert producer.calls.count("abort") == 1
+    ahead = h.metrics.produced_ahead
+    assert (ahead.labels("published")._value.get(), ahead.labels("discarded")._value.get()) == (
+        0,
+        1,
+    )
+    await h.stop()
+
+
+async def test_right_after_a_commit_the_offsets_go_before_the_output_produced_ahead(
+    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The broker answers a transaction's first request CONCURRENT_TRANSACTIONS while it
+    # writes the previous one's markers, and aiokafka retries an output partition after
+    # a fixed 20 ms, the group sooner: so the offsets first, then the output. "Right
+    # after" is widened to 10 s here (see test_transaction.py).
+    monkeypatch.setattr(transaction_module, "MARKERS_WINDOW_S", 10.0)
+    h = Harness(broker, commit_burst=5, fetch_linger_ms=0)
+    broker.append(IN, 0, b"k0", b"v0")
+    await h.start(TP0)
+    await until(lambda: outputs(broker) == [b"v0"])
+    producer: FakeProducer = (await h.part()).producer
+    gate = h.processor.gates[b"v1"] = asyncio.Event()
+    h.processor.requests_api.add(b"v1")
+    h.processor.told_ahead[b"v1"] = b"v1"
+    broker.append(IN, 0, b"k1", b"v1")
+    await until(lambda: producer.calls[-3:] == ["begin", "offsets", "send"])
+    gate.set()
+    await until(lambda: outputs(broker) == [b"v0", b"v1"])
+    await until(lambda: producer.calls[-1] == "commit")
+    assert producer.calls[-4:] == ["begin", "offsets", "send", "commit"]
     await h.stop()
