@@ -101,12 +101,19 @@ def good_record(vm: str, decision: dict[str, Any], request: dict[str, Any], **kw
 
 
 async def read_all(
-    bootstrap: str, topic: str, expected: int, *, partitions: int = 1, timeout_s: float = 60
+    bootstrap: str,
+    topic: str,
+    expected: int,
+    *,
+    partitions: int = 1,
+    timeout_s: float = 60,
+    isolation_level: str = "read_committed",
 ) -> list[ConsumerRecord]:
-    """Every committed record of ``topic`` (read_committed), waiting for ``expected``."""
+    """Every committed record of ``topic`` (read_committed; read_uncommitted: those of
+    open and aborted transactions too), waiting for ``expected``."""
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap,
-        isolation_level="read_committed",
+        isolation_level=isolation_level,
         enable_auto_commit=False,
         auto_offset_reset="earliest",
     )

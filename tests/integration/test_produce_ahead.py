@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaConsumer
-from aiokafka.structs import ConsumerRecord, TopicPartition
+from aiokafka.structs import ConsumerRecord
 
 from service.app.runtime import Runtime
 from tests import e2e
@@ -34,24 +33,10 @@ SLOT = "slot-p1-hv1"
 
 
 async def _uncommitted(boot: str, topic: str, expected: int) -> list[ConsumerRecord]:
-    """Every record of ``topic`` (one partition) read_uncommitted: those of open and
-    aborted transactions too; waits up to 20 s for ``expected``."""
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=boot, isolation_level="read_uncommitted", enable_auto_commit=False
+    """Every record of ``topic`` (one partition), of open and aborted transactions too."""
+    return await e2e.read_all(
+        boot, topic, expected, timeout_s=20, isolation_level="read_uncommitted"
     )
-    await consumer.start()
-    try:
-        tp = TopicPartition(topic, 0)
-        consumer.assign([tp])
-        await consumer.seek_to_beginning(tp)
-        out: list[ConsumerRecord] = []
-        deadline = time.monotonic() + 20
-        while len(out) < expected and time.monotonic() < deadline:
-            for records in (await consumer.getmany(timeout_ms=300)).values():
-                out.extend(records)
-        return out
-    finally:
-        await consumer.stop()
 
 
 def _ahead(runtime: Runtime, outcome: str) -> float:
