@@ -182,7 +182,7 @@ class Committer(Transactions):
         abort this transaction and begin afresh (Transactions._send): nothing told ahead
         is published unless its record's decision returned it. Not decided within
         txn_produce_ahead_ms, the transaction is aborted: read_committed readers of the
-        output partitions wait behind an open transaction's first record, so an outputs
+        output partitions wait behind an open transaction's first record, so outputs
         produced ahead for a hung write would hold them back up to txn_open_ahead_max_s.
         """
         ledger = part.ledger
