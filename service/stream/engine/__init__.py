@@ -4,10 +4,10 @@ Where it lives: :mod:`.service` (the facade: start, the fetch loop, close),
 :mod:`.settings`, :mod:`.clients` (every Kafka client's arguments), :mod:`.core` (what
 the parts share), :mod:`.state` (per-partition state, forgotten in one place),
 :mod:`.lanes` (key lanes, deciding), :mod:`.committer` (when to commit: the token
-bucket, opening and producing ahead), :mod:`.transaction` (one commit: outputs and offsets in one
-transaction), :mod:`.ownership` (assign, revoke, take over, fence), :mod:`.release`
-(give up, drop, take over again) and :mod:`.lag`; aiokafka's private parts only
-through :mod:`service.stream.aiokafka_internals`, errors classified by
+bucket, opening and producing ahead), :mod:`.transaction` (one commit: outputs and
+offsets in one transaction), :mod:`.ownership` (assign, revoke, take over, fence),
+:mod:`.release` (give up, drop, take over again) and :mod:`.lag`; aiokafka's private
+parts only through :mod:`service.stream.aiokafka_internals`, errors classified by
 :mod:`service.stream.errors`.
 
 Design, in the order the failures of the first engine taught it (issue 11):

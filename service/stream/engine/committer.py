@@ -223,8 +223,7 @@ class Committer(Transactions):
 
     async def _abort_ahead_locked(self, part: Partition) -> None:
         part.ahead = None
-        if discarded := len(transaction.forget_produced(part)):
-            self._metrics.produced_ahead.labels("discarded").inc(discarded)
+        self._discard_produced(part)
         self._metrics.opened_ahead.labels("aborted").inc()
         await self._outside_commit(part, part.producer.abort_transaction())
         part.txn_ended = self._clock()

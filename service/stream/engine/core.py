@@ -72,6 +72,13 @@ class EngineCore:
         """Capped exponential: backoff, 2x, 4x, ... up to the configured maximum."""
         return backoff.exponential(attempt, self._s.retry_backoff_s, self._s.retry_backoff_max_s)
 
+    def _discard_produced(self, part: Partition) -> None:
+        """``part``'s transaction opened ahead ends aborted (by this replica, its
+        producer's close or the next owner): what was produced ahead into it is not
+        published."""
+        if discarded := len(part.take_produced()):
+            self._metrics.produced_ahead.labels("discarded").inc(discarded)
+
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         """Run ``work`` as a task close() cancels."""
         task = asyncio.create_task(work, name=name)

@@ -95,9 +95,7 @@ class Release(EngineCore):
         if part.released:
             return
         part.released = True
-        if part.produced:  # its open transaction ends aborted (the close, or the next owner)
-            self._metrics.produced_ahead.labels("discarded").inc(len(part.produced))
-            part.produced = {}
+        self._discard_produced(part)
         part.wake.set()
         if self._table.parts.get(part.tp) is part:
             del self._table.parts[part.tp]

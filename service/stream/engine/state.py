@@ -84,6 +84,14 @@ class Partition:
         # have been processed by its previous owner (see KeyLanes._decide). None until known.
         self.replay_until: int | None = None
 
+    def take_produced(self) -> dict[int, tuple[OutRecord, Any]]:
+        """The outputs produced ahead into its transaction opened ahead, taken: that
+        transaction is ending (each delivery already has transaction.retrieve). What
+        undecided records were told and not produced yet stays for the next one."""
+        produced = self.produced
+        self.produced, self.produced_until = {}, float("inf")
+        return produced
+
     def expect(self, offset: int, out: OutRecord) -> None:
         """The EXPECTED_OUTPUT of its records' decisions (set by its lane workers)."""
         self.expected[offset] = out

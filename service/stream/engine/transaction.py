@@ -93,15 +93,6 @@ def retrieve(future: Any) -> None:
         future.exception()
 
 
-def forget_produced(part: Partition) -> dict[int, tuple[OutRecord, Any]]:
-    """The outputs produced ahead into ``part``'s transaction opened ahead, taken: that
-    transaction is ending (each delivery already has :func:`retrieve`). What undecided
-    records were told and not produced yet stays for the next one."""
-    produced = part.produced
-    part.produced, part.produced_until = {}, float("inf")
-    return produced
-
-
 class Transactions(EngineCore):
     """A partition's commit: the engine's analogue of a checkpoint.
 
@@ -210,7 +201,7 @@ class Transactions(EngineCore):
         if part.producer is not None:
             producer = part.producer
             ahead, part.ahead = part.ahead, None
-            produced = forget_produced(part)
+            produced = part.take_produced()
             if produced and not _carries(plan, produced):
                 # It holds an output produced ahead that this plan does not publish (its
                 # record undecided, or decided otherwise): abort it, begin afresh.

@@ -308,16 +308,35 @@ def ahead_count(h: Harness, outcome: str) -> float:
     return h.metrics.opened_ahead.labels(outcome)._value.get()  # type: ignore[no-any-return]
 
 
-async def one_waiting_record(
-    broker: FakeBroker, key: bytes = b"k0", value: bytes = b"v0", **settings: Any
+async def gated_record(
+    broker: FakeBroker,
+    key: bytes = b"k0",
+    value: bytes = b"v0",
+    *,
+    requests_api: bool = False,
+    told_as: bytes | None = None,
+    **settings: Any,
 ) -> tuple[Harness, asyncio.Event, FakeProducer]:
-    """A partition with one record undecided until ``gate`` is set (a PATCH in flight),
-    once its transaction has been opened ahead."""
+    """A partition, taken over, with one record undecided until ``gate`` is set (a PATCH
+    in flight). Its decision first tells its output ahead if ``told_as`` (the value it is
+    then decided with), then sends a request to the API server if ``requests_api``."""
     h = Harness(broker, **settings)
     gate = h.processor.gates[value] = asyncio.Event()
+    if requests_api:
+        h.processor.requests_api.add(value)
+    if told_as is not None:
+        h.processor.told_ahead[value] = told_as
     broker.append(IN, 0, key, value)
     await h.start(TP0)
     producer: FakeProducer = (await h.part()).producer
+    return h, gate, producer
+
+
+async def one_waiting_record(
+    broker: FakeBroker, key: bytes = b"k0", value: bytes = b"v0", **settings: Any
+) -> tuple[Harness, asyncio.Event, FakeProducer]:
+    """A :func:`gated_record` once its transaction has been opened ahead."""
+    h, gate, producer = await gated_record(broker, key, value, **settings)
     await until(lambda: producer.calls == ["begin", "offsets"])
     return h, gate, producer
 

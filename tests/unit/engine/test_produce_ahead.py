@@ -12,7 +12,15 @@ import pytest
 from service.stream.engine import StreamSettings
 from service.stream.engine import transaction as transaction_module
 from tests.fake_kafka import FakeBroker, FakeProducer
-from tests.unit.engine.harness import IN, TP0, Harness, ahead_count, outputs, until
+from tests.unit.engine.harness import (
+    IN,
+    TP0,
+    Harness,
+    ahead_count,
+    gated_record,
+    outputs,
+    until,
+)
 
 
 async def _told(
@@ -20,14 +28,7 @@ async def _told(
 ) -> tuple[Harness, asyncio.Event, FakeProducer]:
     """One record (v0) whose decision tells its output ahead, then sends a request to
     the API server and waits on ``gate``; it is decided with value ``decided``."""
-    h = Harness(broker, **settings)
-    gate = h.processor.gates[b"v0"] = asyncio.Event()
-    h.processor.requests_api.add(b"v0")
-    h.processor.told_ahead[b"v0"] = decided
-    broker.append(IN, 0, b"k0", b"v0")
-    await h.start(TP0)
-    producer: FakeProducer = (await h.part()).producer
-    return h, gate, producer
+    return await gated_record(broker, requests_api=True, told_as=decided, **settings)
 
 
 async def test_the_output_told_ahead_is_produced_before_the_decision_and_not_again(

@@ -16,6 +16,7 @@ from tests.unit.engine.harness import (
     Harness,
     ahead_count,
     assert_held_at,
+    gated_record,
     loop_turns,
     one_waiting_record,
     out_tp,
@@ -47,14 +48,7 @@ async def _undecided_for_a_minute(
 ) -> tuple[Harness, asyncio.Event, FakeProducer]:
     """One record held undecided by its gate, with CRS_TXN_OPEN_AHEAD_MS at 60 s; its
     decision sends a request to the API server first if ``requests_api``."""
-    h = Harness(broker, txn_open_ahead_ms=60_000)
-    gate = h.processor.gates[b"v0"] = asyncio.Event()
-    if requests_api:
-        h.processor.requests_api.add(b"v0")
-    broker.append(IN, 0, b"k0", b"v0")
-    await h.start(TP0)
-    producer: FakeProducer = (await h.part()).producer
-    return h, gate, producer
+    return await gated_record(broker, requests_api=requests_api, txn_open_ahead_ms=60_000)
 
 
 async def test_a_decision_that_sends_an_api_request_opens_the_transaction_at_once(
