@@ -237,6 +237,7 @@ class Committer(Transactions):
             self._commit_failed(part, exc)
 
 
+# At most this many waiting records' output partitions are added ahead (a quiet partition
 # has a few; the topic's partitions bound the set anyway).
 _AHEAD_KEYS_MAX = 64
 
