@@ -1,11 +1,15 @@
-"""bench/latency_rows.py: BENCHMARKS.md's latency cells from the gate's --out files."""
+"""bench/latency_rows.py (BENCHMARKS.md's latency cells from the gate's --out files) and
+the gate's figures (bench/bench_latency.py)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import REPO
 
@@ -85,3 +89,21 @@ def test_one_run_prints_its_cells_only(tmp_path: Path) -> None:
     assert "<br>" not in out
     assert "apart" not in out
     assert out.count("run 1: ") == 3
+
+
+def test_the_gate_reports_each_kinds_p50(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Half placements: the pooled p50 lies between the kinds, so each kind's own p50 is
+    # in the figures too (which kind moved).
+    monkeypatch.syspath_prepend(str(REPO / "bench"))  # bench/ is scripts, not a package
+    gate = importlib.import_module("bench_latency")
+    fast = [0.005 + i * 0.0001 for i in range(10)]  # no-host-found: 5.0-5.9 ms
+    slow = [0.010 + i * 0.0001 for i in range(10)]  # placements: 10.0-10.9 ms
+    run = gate.Run(lat=fast + slow, kinds=[False] * 10 + [True] * 10, cpu_per_event=0.002)
+    f = gate.figures([run, run])
+    assert f["others_p50"] == pytest.approx(5.5)  # nearest rank of 20
+    assert f["placements_p50"] == pytest.approx(10.5)
+    assert 5.9 <= f["p50"] <= 10.0
+    assert f["cpu_us"] == pytest.approx(2000)
+    none = gate.figures([gate.Run(lat=fast, kinds=[False] * 10, cpu_per_event=0.002)])
+    assert "placements_p50" not in none
+    assert "others_p50" not in none
