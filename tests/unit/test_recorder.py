@@ -443,6 +443,43 @@ async def test_no_host_found_payg_not_counted(env: Env) -> None:
     assert env.total("cortex_nova_no_host_found") == 0
 
 
+class _BindSpy:
+    """The recorder's module logger, counting binds (each resolves structlog's
+    configuration: 2.6 µs, 3 % of a routine event) and keeping the lines written."""
+
+    def __init__(self) -> None:
+        self.binds = 0
+        self.lines: list[tuple[str, dict[str, Any]]] = []
+
+    def bind(self, **context: Any) -> Any:
+        self.binds += 1
+        spy = self
+
+        class Bound:
+            def error(self, event: str, **kw: Any) -> None:
+                spy.lines.append((event, {**context, **kw}))
+
+            debug = error
+
+        return Bound()
+
+
+async def test_a_no_host_found_event_binds_a_logger_only_to_write_a_line(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spy = _BindSpy()
+    monkeypatch.setattr(recorder_module, "_log", spy)
+    env.seed(*standard_world(f.reservation("slot-1", host="elsewhere")))
+    assert (await no_host(env.recorder)).cr_slot == "slot_exhausted"
+    assert (await no_host(env.recorder, flavor="nope")).cr_slot == "payg"
+    assert spy.binds == 0
+    env.seed(knowledge(is_ready=False))  # the lookup fails: an error line, with the event
+    assert (await no_host(env.recorder)).cr_slot == "error"
+    assert spy.binds == 1
+    assert spy.lines[0][0] == "flavor_group_lookup_failed"
+    assert (spy.lines[0][1]["instance_uuid"], spy.lines[0][1]["project_id"]) == (UUID, PROJECT)
+
+
 # --- concurrency: 409s and 404s between read and patch -----------------------------------
 
 
