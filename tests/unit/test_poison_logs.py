@@ -179,12 +179,12 @@ def test_the_renderer_cuts_what_callers_did_not(captured: io.StringIO) -> None:
 def test_at_info_only_classifications_that_touched_the_cluster_are_logged(
     captured: io.StringIO,
 ) -> None:
-    import dataclasses
+    import msgspec
 
     from service.crs.outcome import AllocationStatus
 
     configure_logging("INFO", "json", stream=captured)
-    routine = dataclasses.replace(
+    routine = msgspec.structs.replace(
         outcome("no_host_found", "slot_exhausted"), allocation=AllocationStatus.NOT_APPLICABLE
     )
     written = outcome()  # slot_used, allocation written

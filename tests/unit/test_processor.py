@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from datetime import UTC, datetime
 from typing import Any
 
@@ -292,7 +291,7 @@ async def test_a_placement_ending_as_told_returns_the_very_record_told_ahead() -
 
 async def test_a_placement_ending_otherwise_returns_another_record() -> None:
     told = outcome()
-    ended = dataclasses.replace(told, reservation="slot-2", conflicts=3)  # after a conflict
+    ended = msgspec.structs.replace(told, reservation="slot-2", conflicts=3)  # after a conflict
     out, expected = await _process_telling(told, ended)
     assert len(expected) == 1
     assert expected[0][1] is not out
