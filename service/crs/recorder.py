@@ -638,9 +638,10 @@ class Recorder:
         input_hosts = request.input_hosts
 
         def log() -> Any:
-            # Bound only where a line is written: a bind per event (structlog's lazy proxy
-            # resolves its configuration on each) was 2.6 µs, 3 % of a routine event's
-            # CPU in a backlog. The processor's debug line "classified" says the rest.
+            # Bound only where a line is written: a bind per event (a new bound logger and
+            # context dict) was 1.1 µs with the service's logging configuration, about
+            # 1.5 % of a routine event's CPU in a backlog. The processor's debug line
+            # "classified" says the rest.
             return _log.bind(instance_uuid=instance_uuid, project_id=project_id, intent=intent)
 
         def outcome(cr_slot: CrSlot, flavor_group: str | None, vm_mem: int | None) -> Outcome:

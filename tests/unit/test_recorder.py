@@ -444,8 +444,8 @@ async def test_no_host_found_payg_not_counted(env: Env) -> None:
 
 
 class _BindSpy:
-    """The recorder's module logger, counting binds (each resolves structlog's
-    configuration: 2.6 µs, 3 % of a routine event) and keeping the lines written."""
+    """The recorder's module logger, counting binds (each builds a bound logger: 1.1 µs
+    of a routine event) and keeping the lines written."""
 
     def __init__(self) -> None:
         self.binds = 0
