@@ -107,3 +107,21 @@ def test_the_gate_reports_each_kinds_p50(monkeypatch: pytest.MonkeyPatch) -> Non
     none = gate.figures([gate.Run(lat=fast, kinds=[False] * 10, cpu_per_event=0.002)])
     assert "placements_p50" not in none
     assert "others_p50" not in none
+
+
+def test_the_gates_goals_per_figure(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One place says what each figure's goals compare (the gate's verdict and the table).
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    gate = importlib.import_module("bench_latency")
+    figures = _run(9.5, 84.0)["figures"]
+    assert isinstance(figures, dict)
+    assert gate.goal_ratios("20/s half", figures["20/s half"]) == [
+        ("p99 service/bound", pytest.approx(19.0 / 18.0), 1.1),
+        ("p50 service/bound", pytest.approx(0.95), 1.0),
+    ]
+    assert gate.goal_ratios("200/s none", figures["200/s none"]) == [
+        ("p99 service/raw", pytest.approx(44.0 / 45.0), 1.0)
+    ]
+    assert gate.goal_ratios("backlog", figures["backlog"]) == [
+        ("CPU/event service/raw", pytest.approx(1.4), 1.3)
+    ]
