@@ -90,6 +90,7 @@ EXHAUSTED = [
 @pytest.mark.parametrize(("crs", "expected"), EXHAUSTED)
 def test_commitments_exhausted(crs: list[CommittedResource], expected: bool) -> None:
     assert commitments_exhausted(crs) is expected
+    assert commitments_exhausted(iter(crs)) is expected  # one pass over any iterable
 
 
 # --- classify_placement -------------------------------------------------------------
