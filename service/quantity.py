@@ -24,7 +24,6 @@ from __future__ import annotations
 import enum
 import functools
 import re
-from collections.abc import Iterable
 from fractions import Fraction
 from typing import Final
 
@@ -185,17 +184,6 @@ class Quantity:
 
 
 ZERO: Final = Quantity(0)
-
-
-def quantity_sum(items: Iterable[Quantity]) -> Quantity:
-    """Exact sum; ``ZERO`` for an empty iterable."""
-    total = 0
-    fmt: QuantityFormat | None = None
-    for q in items:
-        if fmt is None or total == 0:
-            fmt = q._fmt
-        total += q._nanos
-    return Quantity(total, fmt if fmt is not None else QuantityFormat.DECIMAL_SI)
 
 
 def parse_quantity(text: str) -> Quantity:
