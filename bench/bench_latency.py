@@ -46,7 +46,10 @@ classifications.
 
 Figures: p50 and p99 per mode and rate, pooled over the repetitions, with the spread of
 the per-repetition values; CPU seconds of the consuming process per event (``/proc``,
-from the first timed publish until the last output was seen). Goals (exit 1 when one is
+from the first timed publish until the last output was seen), and the transactions it
+began per event over the same span (the service's from its /metrics, the raw loop's from
+the count it prints on SIGUSR1): at the rates where requests, not events, cost the CPU,
+they say why. Goals (exit 1 when one is
 MISSED): at every rate with placements, service p99 <= 1.1 x bound p99 and service p50
 <= bound p50; without placements, service p99 <= raw p99 and service CPU per event <=
 1.3 x raw. ``--out`` writes the figures as JSON; ``--agree-with`` an earlier run's file
@@ -61,7 +64,9 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
+import signal
 import statistics
 import sys
 import time
@@ -85,6 +90,7 @@ from _common import (
     env_endpoints,
     free_port,
     host,
+    http_text,
     load,
     no_host_found,
     outcome_record,
@@ -100,6 +106,8 @@ from _common import (
     wait_http_ok,
 )
 from _verdict import check_workload, finish, goals
+from prometheus_client.parser import text_string_to_metric_families
+from raw_eos import TXN_LINE
 
 from crs_demo import scenario
 
@@ -282,11 +290,42 @@ class Run:
     lat: list[float]  # s, per timed record, in publish order
     kinds: list[bool]  # True: a placement
     cpu_per_event: float  # s of the consuming process
+    txn_per_event: float  # transactions begun by the consuming process
 
     def of(self, placement: bool | None) -> list[float]:
         if placement is None:
             return self.lat
         return [x for x, k in zip(self.lat, self.kinds, strict=True) if k == placement]
+
+
+# The service's transactions: its commits that committed (crs_commit_seconds observes
+# those) or failed, and the ones it opened ahead and aborted (engine/transaction.py).
+SERVICE_TXN_SAMPLES = {"crs_commit_seconds_count", "crs_commit_failures_total"}
+
+
+async def transactions(mode: str, proc: Any, log: str, port: int) -> int:
+    """How many transactions the consuming process has begun so far: the service's from
+    its /metrics, the raw loop's from the line it prints on SIGUSR1 (raw_eos.py)."""
+    if mode == "service":
+        total = 0.0
+        for family in text_string_to_metric_families(
+            await http_text(f"http://127.0.0.1:{port}/metrics")
+        ):
+            for s in family.samples:
+                aborted_ahead = (
+                    s.name == "crs_txn_opened_ahead_total" and s.labels["outcome"] == "aborted"
+                )
+                if s.name in SERVICE_TXN_SAMPLES or aborted_ahead:
+                    total += s.value
+        return int(total)
+    before = Path(log).read_text().count(TXN_LINE)
+    os.kill(proc.pid, signal.SIGUSR1)
+    for _ in range(200):
+        lines = [x for x in Path(log).read_text().splitlines() if x.startswith(TXN_LINE)]
+        if len(lines) > before:
+            return int(lines[-1].split()[-1])
+        await asyncio.sleep(0.01)
+    raise WorkloadError(f"{mode} did not print its transactions on SIGUSR1 (log {log})")
 
 
 async def one_run(
@@ -333,10 +372,11 @@ async def one_run(
         warm = await publish_paced(bootstrap, topics["input"], stream.warm, rate)
         if not await reader.wait_for(warm, 120):
             raise WorkloadError(f"{mode} at {rate:g}/s: warm-up outputs missing (log {log})")
-        cpu0 = cpu_seconds(proc.pid)
+        txn0, cpu0 = await transactions(mode, proc, log, port), cpu_seconds(proc.pid)
         sent = await publish_paced(bootstrap, topics["input"], stream.timed, rate)
         drained = await reader.wait_for(sent, max(120.0, 4 * args.seconds))
-        cpu1 = cpu_seconds(proc.pid)
+        cpu1, txn1 = cpu_seconds(proc.pid), await transactions(mode, proc, log, port)
+        check_workload(txn1 > txn0, f"{mode}: no transaction counted in the timed part")
         await asyncio.sleep(0.5)  # one output too many shows up too
         check_workload(proc.poll() is None, f"{mode} exited with {proc.returncode} (log {log})")
         missing = len(set(sent) - set(reader.seen))
@@ -369,7 +409,7 @@ async def one_run(
             check_workload(kinds <= worst, f"service classified the outcomes as {kinds}")
         kinds = [k.decode() in stream.placed for k in sent]
         lat = [reader.seen[k] - t for k, t in sent.items()]
-        run = Run(lat, kinds, (cpu1 - cpu0) / len(sent))
+        run = Run(lat, kinds, (cpu1 - cpu0) / len(sent), (txn1 - txn0) / len(sent))
         placed = run.of(True) or [math.nan]
         print(
             f"    {mode:7s} {rate:4g}/s{'' if placements else ' none'} rep {rep}: "
@@ -377,7 +417,8 @@ async def one_run(
             f"(placements p50 {pct(placed, 0.5) * 1e3:5.1f} p99 "
             f"{pct(placed, 0.99) * 1e3:7.1f}, others p50 "
             f"{pct(run.of(False) or [math.nan], 0.5) * 1e3:5.1f}) "
-            f"cpu {run.cpu_per_event * 1e6:5.0f} us/event  [{load()}]",
+            f"cpu {run.cpu_per_event * 1e6:5.0f} us/event, "
+            f"{run.txn_per_event:4.2f} transactions/event  [{load()}]",
             flush=True,
         )
         # When in the run the tail came (one stall, or spread over the run), and of what.
@@ -409,6 +450,7 @@ def figures(runs: list[Run]) -> dict[str, float]:
         per = [pct(r.lat, q) * 1e3 for r in runs]
         out[f"{name}_min"], out[f"{name}_max"] = min(per), max(per)
     out["cpu_us"] = statistics.median(r.cpu_per_event for r in runs) * 1e6
+    out["txn_per_event"] = statistics.median(r.txn_per_event for r in runs)
     if any(r.kinds and any(r.kinds) for r in runs):
         # With half placements the pooled p50 lies where the faster kind's upper half
         # meets the slower one's lower half: each kind's own p50 says which moved.
@@ -556,7 +598,7 @@ async def main() -> int:
     )
     print(
         f"{'stream':>14} {'mode':>7} | {'p50':>22} | {'p99':>24} | {'placements p50 / p99':>20} | "
-        f"{'others p50':>10} | {'cpu/event':>9}"
+        f"{'others p50':>10} | {'cpu/event':>9} | {'txn/event':>9}"
     )
     met: dict[str, bool] = {}
     for (rate, placements), by_mode in runs.items():
@@ -568,7 +610,8 @@ async def main() -> int:
                 f"{key:>14} {mode:>7} | {spread(f, 'p50'):>22} | {spread(f, 'p99'):>24} | "
                 f"{f.get('placements_p50', math.nan):9.1f} / "
                 f"{f.get('placements_p99', math.nan):8.1f} | "
-                f"{f.get('others_p50', math.nan):10.1f} | {f['cpu_us']:9.0f}"
+                f"{f.get('others_p50', math.nan):10.1f} | {f['cpu_us']:9.0f} | "
+                f"{f['txn_per_event']:9.2f}"
             )
         if "service" not in figs or ("bound" if placements else "raw") not in figs:
             continue  # a trial of a subset of the modes: no verdict

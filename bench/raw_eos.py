@@ -45,6 +45,9 @@ MERGE = "application/merge-patch+json"
 # A fetched batch: records by input partition.
 Batch = dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]
 GiB = 1024**3
+# Transactions begun so far (committed or not), printed as "<TXN_LINE> N" on SIGUSR1.
+TRANSACTIONS = [0]
+TXN_LINE = "raw_eos transactions:"
 # The bound's allocation body: the service's shape (memory and cpu of an m2.small, a
 # timestamp); bench_latency.py checks the part for exactly this body afterwards.
 ALLOCATION = {
@@ -141,6 +144,10 @@ async def run(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # bench_latency.py counts the transactions of its timed part from these lines.
+    loop.add_signal_handler(
+        signal.SIGUSR1, lambda: print(f"{TXN_LINE} {TRANSACTIONS[0]}", flush=True)
+    )
     consumer = AIOKafkaConsumer(
         args.input,
         bootstrap_servers=args.bootstrap,
@@ -197,6 +204,7 @@ async def pass_through(
         """One transaction: ``batch``'s outputs and offsets (and, for the bound, its
         placements' PATCHes, in flight during every Kafka request but the end)."""
         offsets = {tp: records[-1].offset + 1 for tp, records in batch.items()}
+        TRANSACTIONS[0] += 1
         async with producer.transaction():
             patches = []
             if part is not None:

@@ -98,13 +98,18 @@ def test_the_gate_reports_each_kinds_p50(monkeypatch: pytest.MonkeyPatch) -> Non
     gate = importlib.import_module("bench_latency")
     fast = [0.005 + i * 0.0001 for i in range(10)]  # no-host-found: 5.0-5.9 ms
     slow = [0.010 + i * 0.0001 for i in range(10)]  # placements: 10.0-10.9 ms
-    run = gate.Run(lat=fast + slow, kinds=[False] * 10 + [True] * 10, cpu_per_event=0.002)
+    run = gate.Run(
+        lat=fast + slow, kinds=[False] * 10 + [True] * 10, cpu_per_event=0.002, txn_per_event=0.5
+    )
     f = gate.figures([run, run])
     assert f["others_p50"] == pytest.approx(5.5)  # nearest rank of 20
     assert f["placements_p50"] == pytest.approx(10.5)
     assert 5.9 <= f["p50"] <= 10.0
     assert f["cpu_us"] == pytest.approx(2000)
-    none = gate.figures([gate.Run(lat=fast, kinds=[False] * 10, cpu_per_event=0.002)])
+    assert f["txn_per_event"] == pytest.approx(0.5)
+    none = gate.figures(
+        [gate.Run(lat=fast, kinds=[False] * 10, cpu_per_event=0.002, txn_per_event=1)]
+    )
     assert "placements_p50" not in none
     assert "others_p50" not in none
 
