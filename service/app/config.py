@@ -179,6 +179,15 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
             "the interval paces it",
         ),
     ] = 3
+    commit_rate_max: Annotated[
+        NonNegativeInt,
+        _env(
+            "CRS_COMMIT_RATE_MAX",
+            "Transactions per second a replica begins at most across all its partitions "
+            "(a few may follow each other at once); above it each carries more records. "
+            "0: no limit beyond each partition's own pace",
+        ),
+    ] = 0
     commit_max_records: Annotated[
         PositiveInt,
         _env(

@@ -4,7 +4,8 @@ Where it lives: :mod:`.service` (the facade: start, the fetch loop, close),
 :mod:`.settings`, :mod:`.clients` (every Kafka client's arguments), :mod:`.core` (what
 the parts share), :mod:`.state` (per-partition state, forgotten in one place),
 :mod:`.lanes` (key lanes, deciding), :mod:`.committer` (when to commit: the token
-bucket, opening and producing ahead), :mod:`.transaction` (one commit: outputs and
+bucket, opening and producing ahead), :mod:`.pacing` (the replica's transactions per
+second across its partitions), :mod:`.transaction` (one commit: outputs and
 offsets in one transaction), :mod:`.ownership` (assign, revoke, take over, fence),
 :mod:`.release` (give up, drop, take over again) and :mod:`.lag`; aiokafka's private
 parts only through :mod:`service.stream.aiokafka_internals`, errors classified by
@@ -22,10 +23,12 @@ Design, in the order the failures of the first engine taught it (issue 11):
   aiokafka cannot send group-aware offset commits (KIP-447), so this is the fence.
 * **No batch barrier.** Each partition commits on its own, in its own transaction, paced
   by a token bucket (one commit per ``commit_interval_ms`` sustained, ``commit_burst``
-  at once after a quiet spell) or at once when ``commit_max_records`` outputs wait. A
-  partition blocked on the Kubernetes API delays no other. Within a partition, a
-  placement's output produced ahead of its write never holds back another key's: a
-  record decided first aborts that transaction instead (see :mod:`.committer`).
+  at once after a quiet spell) or at once when ``commit_max_records`` outputs wait; with
+  ``commit_rate_max`` (off by default) the replica's partitions together begin at most
+  that many transactions per second. A partition blocked on the Kubernetes API delays
+  no other. Within a partition, a placement's output produced ahead of its write never
+  holds back another key's: a record decided first aborts that transaction instead (see
+  :mod:`.committer`).
 * **Key-level concurrency** (Confluent's Parallel Consumer): inside a partition, records
   with different keys run concurrently (up to ``key_concurrency``), records with the same
   key in offset order. The key is the record key; a record without one is keyed by the

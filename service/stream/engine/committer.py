@@ -81,6 +81,7 @@ class Committer(Transactions):
             self._s.commit_interval_ms / 1000, float(max(self._s.commit_burst, 1)), self._clock()
         )
         ahead_after = self._s.txn_open_ahead_ms / 1000
+        booked = False  # a slot of the replica's pace reserved and not yet used
         while not part.closed:
             if part.ahead is None:
                 await part.wake.wait()
@@ -111,7 +112,11 @@ class Committer(Transactions):
                         await wait_set(part.wake, ahead_after)
                     if part.ledger.pending and not part.ledger.done_uncommitted:
                         bucket.take()  # the transaction's token, spent when it begins
+                        booked = booked or await self._paced()
+                        if part.ledger.done_uncommitted or part.closed:
+                            continue  # decided meanwhile: committed the usual way
                         await self._open_ahead(part)
+                        booked = part.ahead is None  # the slot is still unused
                 continue
             if part.ahead is None:
                 while not part.closed:
@@ -128,8 +133,18 @@ class Committer(Transactions):
                     part.wake.clear()
                     tokens = bucket.level(self._clock())
                 bucket.take()
+                booked = booked or await self._paced()
+            booked = False
             if not part.closed:
                 await self._commit(part)
+
+    async def _paced(self) -> bool:
+        """Wait for this transaction's slot in the replica's pace (CRS_COMMIT_RATE_MAX):
+        what is decided meanwhile is committed with it. True: the slot is booked."""
+        delay = self._pace.reserve(self._clock())
+        if delay > 0:
+            await asyncio.sleep(delay)
+        return True
 
     async def _open_ahead(self, part: Partition) -> None:
         """Begin ``part``'s next transaction, send the offset it will commit and add the

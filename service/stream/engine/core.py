@@ -15,6 +15,7 @@ from aiokafka.structs import TopicPartition
 
 from service import backoff
 from service.stream import aiokafka_internals
+from service.stream.engine.pacing import ReplicaPace
 from service.stream.engine.settings import StreamSettings
 from service.stream.engine.state import Partition, PartitionTable
 from service.stream.metrics import StreamMetrics
@@ -28,6 +29,10 @@ class KafkaClientEnded(Exception):
     aiokafka_internals.ended_background_task): this consumer never fetches again, only a
     new one does. run() raises it after committing
     the work in hand; the runtime then starts afresh with new clients."""
+
+
+# Transactions of different partitions that may begin back to back under CRS_COMMIT_RATE_MAX.
+REPLICA_BURST = 4
 
 
 class EngineCore:
@@ -55,6 +60,7 @@ class EngineCore:
         self._consumer: Any = None
         self._shared_producer: Any = None  # at-least-once mode: one idempotent producer
         self._table = PartitionTable(metrics)
+        self._pace = ReplicaPace(settings.commit_rate_max, REPLICA_BURST)
         self._stopping = asyncio.Event()
         self._capacity = asyncio.Event()  # a backpressured partition has room again
         self._background: set[asyncio.Task[Any]] = set()

@@ -63,6 +63,8 @@ class StreamSettings:
     # ... and the commits that may follow each other sooner (a quiet partition).
     commit_burst: int = _SHIPPED.commit_burst
     commit_max_records: int = _SHIPPED.commit_max_records
+    # The replica's transactions per second across its partitions (pacing.ReplicaPace).
+    commit_rate_max: int = _SHIPPED.commit_rate_max
     # The transactional producers' retry back-off, also how long a transaction that
     # follows another waits for the broker to finish that one (see ownership._take_over).
     txn_retry_backoff_ms: int = _SHIPPED.txn_retry_backoff_ms
@@ -124,6 +126,7 @@ class StreamSettings:
             max_event_bytes=c.max_event_bytes,
             commit_interval_ms=c.commit_interval_ms,
             commit_burst=c.commit_burst,
+            commit_rate_max=c.commit_rate_max,
             txn_retry_backoff_ms=c.txn_retry_backoff_ms,
             txn_open_ahead_ms=c.txn_open_ahead_ms,
             txn_produce_ahead_ms=c.txn_produce_ahead_ms,
