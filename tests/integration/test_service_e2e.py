@@ -252,6 +252,41 @@ async def test_commits_are_triggered_by_count_and_paced_by_the_interval(
             assert len(outputs) == 9  # the placement decided: nothing in progress
 
 
+async def test_the_replicas_transactions_are_capped_across_its_partitions(
+    devstack: DevStack, clean_k8s: Any, new_topic: Any
+) -> None:
+    """CRS_COMMIT_RATE_MAX on the real stack: records arriving one by one on two
+    partitions, each of which would otherwise be committed at once in a transaction of
+    its own (nothing else of its partition in progress), share the replica's slots: at
+    most the burst (4) and one transaction per second of the run, every output once."""
+    await e2e.seed_region(clean_k8s)
+    topics = await e2e.new_topics(new_topic, 2)
+    boot = devstack.kafka_bootstrap
+    cfg = e2e.config(devstack, topics, CRS_COMMIT_RATE_MAX="1")
+    records = [e2e.good_record(*e2e.outcome(None, ["hv-3"])) for _ in range(24)]
+    async with e2e.running(cfg) as runtime:
+        producer = AIOKafkaProducer(bootstrap_servers=boot, acks="all")
+        await producer.start()
+        try:
+            started = time.monotonic()
+            for i, (key, value, headers) in enumerate(records):
+                sent = await producer.send(
+                    topics["input"], value, key=key, headers=headers, partition=i % 2
+                )
+                await sent
+                await asyncio.sleep(0.125)
+        finally:
+            await producer.stop()
+        outputs = await e2e.read_all(boot, topics["output"], 24, partitions=2, timeout_s=30)
+        elapsed = time.monotonic() - started
+        commits = runtime.metrics.registry.get_sample_value("crs_commit_seconds_count")
+    assert sorted(o.key for o in outputs) == sorted(key for key, _, _ in records)
+    assert commits is not None
+    # Uncapped, each record is a commit of its own (24); read_all's last drain and the
+    # publishing's own time only widen the bound.
+    assert commits <= 4 + elapsed + 1, (commits, elapsed)
+
+
 async def test_one_record_in_flight_at_a_time_keeps_flowing(
     devstack: DevStack, clean_k8s: Any, new_topic: Any
 ) -> None:
