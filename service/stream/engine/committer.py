@@ -112,7 +112,9 @@ class Committer(Transactions):
                         await wait_set(part.wake, ahead_after)
                     if part.ledger.pending and not part.ledger.done_uncommitted:
                         bucket.take()  # the transaction's token, spent when it begins
-                        booked = booked or await self._paced()
+                        if not booked:
+                            await self._wait_for_slot()
+                            booked = True
                         if part.ledger.done_uncommitted or part.closed:
                             continue  # decided meanwhile: committed the usual way
                         await self._open_ahead(part)
@@ -133,18 +135,18 @@ class Committer(Transactions):
                     part.wake.clear()
                     tokens = bucket.level(self._clock())
                 bucket.take()
-                booked = booked or await self._paced()
+                if not booked:
+                    await self._wait_for_slot()
             booked = False
             if not part.closed:
                 await self._commit(part)
 
-    async def _paced(self) -> bool:
-        """Wait for this transaction's slot in the replica's pace (CRS_COMMIT_RATE_MAX):
-        what is decided meanwhile is committed with it. True: the slot is booked."""
+    async def _wait_for_slot(self) -> None:
+        """Book the next transaction's slot in the replica's pace (CRS_COMMIT_RATE_MAX)
+        and wait for it: what is decided meanwhile is committed with it."""
         delay = self._pace.reserve(self._clock())
         if delay > 0:
             await asyncio.sleep(delay)
-        return True
 
     async def _open_ahead(self, part: Partition) -> None:
         """Begin ``part``'s next transaction, send the offset it will commit and add the

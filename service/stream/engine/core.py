@@ -31,10 +31,6 @@ class KafkaClientEnded(Exception):
     the work in hand; the runtime then starts afresh with new clients."""
 
 
-# Transactions of different partitions that may begin back to back under CRS_COMMIT_RATE_MAX.
-REPLICA_BURST = 4
-
-
 class EngineCore:
     """The state every part of the engine works on; :class:`StreamService` combines the
     parts (one module each) over it."""
@@ -60,7 +56,7 @@ class EngineCore:
         self._consumer: Any = None
         self._shared_producer: Any = None  # at-least-once mode: one idempotent producer
         self._table = PartitionTable(metrics)
-        self._pace = ReplicaPace(settings.commit_rate_max, REPLICA_BURST)
+        self._pace = ReplicaPace(settings.commit_rate_max)
         self._stopping = asyncio.Event()
         self._capacity = asyncio.Event()  # a backpressured partition has room again
         self._background: set[asyncio.Task[Any]] = set()

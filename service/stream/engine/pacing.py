@@ -3,16 +3,20 @@
 Each partition paces its own commits (committer.TokenBucket), but what a transaction
 costs (about 1.5-2.5 ms of this process's CPU and as much of the broker's, whatever it
 carries) is paid by the replica and the broker as a whole: four partitions each allowed
-their own pace begin up to four times as many as one. Under load that is what the
-service's CPU goes to (bench_latency.py at 200 events/s: 0.77 transactions per event
-against the write-first bound's 0.46), and a replica that saturates its machine falls
-behind. A replica-wide limit makes the partitions' transactions carry more records each
-once they would exceed it, and costs nothing below it.
+their own pace begin up to four times as many as one (bench_latency.py at 200 events/s:
+0.77 transactions per event against the write-first bound's 0.46). A replica-wide limit
+makes the partitions' transactions carry more records each once they would exceed it,
+and costs nothing below it. What it buys is bounded: at 200 events/s the transactions
+are about a sixth of the service's CPU, and waiting for a slot costs latency
+(BENCHMARKS.md, "How much of it is the transactions"), so it is off by default.
 """
 
 from __future__ import annotations
 
-__all__ = ["ReplicaPace"]
+__all__ = ["BURST", "ReplicaPace"]
+
+# Transactions of different partitions that may begin back to back under the limit.
+BURST = 4
 
 
 class ReplicaPace:
@@ -25,7 +29,7 @@ class ReplicaPace:
 
     __slots__ = ("_due", "_interval", "_slack")
 
-    def __init__(self, rate: float, burst: int) -> None:
+    def __init__(self, rate: float, burst: int = BURST) -> None:
         self._interval = 1.0 / rate if rate > 0 else 0.0
         self._slack = max(burst - 1, 0) * self._interval
         self._due = float("-inf")  # when the next slot is due on the schedule
