@@ -327,6 +327,14 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     k8s_timeout_s: Annotated[
         PositiveFloat, _env("CRS_K8S_TIMEOUT_S", "Timeout of one Kubernetes API request")
     ] = 10.0
+    k8s_max_writes: Annotated[
+        NonNegativeInt,
+        _env(
+            "CRS_K8S_MAX_WRITES",
+            "Allocation writes (PATCHes) in flight at once per replica; the others wait "
+            "their turn, outside CRS_K8S_TIMEOUT_S; 0: no limit",
+        ),
+    ] = 0
     kubeconfig: Annotated[
         NonEmpty | None, _env("KUBECONFIG", "kubeconfig file; unset: in-cluster service account")
     ] = None

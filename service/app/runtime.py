@@ -70,6 +70,11 @@ class RecorderOptions(TypedDict):
     backoff_max_s: float
 
 
+class ClientOptions(TypedDict):
+    request_timeout_s: float
+    max_writes: int
+
+
 class WatchOptions(TypedDict):
     page_size: int
     watch_timeout_s: float
@@ -89,6 +94,11 @@ def recorder_options(c: Config) -> RecorderOptions:
         "backoff_s": c.conflict_backoff_s,
         "backoff_max_s": c.conflict_backoff_max_s,
     }
+
+
+def client_options(c: Config) -> ClientOptions:
+    """Keyword arguments of :meth:`KubeClient.create` (after the kubeconfig)."""
+    return {"request_timeout_s": c.k8s_timeout_s, "max_writes": c.k8s_max_writes}
 
 
 def watch_options(c: Config) -> WatchOptions:
@@ -127,7 +137,13 @@ def kube_settings(c: Config) -> tuple[object, ...]:
             content = digest.hexdigest()
         except OSError:
             content = object()
-    return (c.kubeconfig, content, c.k8s_timeout_s, c.k8s_read_mode, watch_options(c))
+    return (
+        c.kubeconfig,
+        content,
+        client_options(c),
+        c.k8s_read_mode,
+        watch_options(c),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,9 +267,7 @@ class Runtime:
         with contextlib.suppress(Exception):
             await self._stop_kube()
         self.client = await KubeClient.create(
-            self.config.kubeconfig,
-            request_timeout_s=self.config.k8s_timeout_s,
-            metrics=self.k8s_metrics,
+            self.config.kubeconfig, metrics=self.k8s_metrics, **client_options(self.config)
         )
         self._kube_settings = settings
         self.state = await self._make_state()

@@ -35,6 +35,7 @@ from service.k8s import (
 )
 from service.k8s.client import CALLS, FENCE_ANNOTATION, ResourceKind, WatchEvent
 from service.k8s.errors import ResourceExpiredError
+from service.k8s.transport import Transport
 from service.model import CommittedResource, Reservation
 from tests import factories as f
 from tests.conftest import REPO, DevStack
@@ -297,6 +298,50 @@ async def test_patch_allocation_is_guarded_by_resource_version(
     assert requests(registry, "patch", "reservations", "200") == 1
     assert requests(registry, "patch", "reservations", "409") == 1
     assert requests(registry, "patch", "reservations", "404") == 1
+
+
+@pytest.mark.parametrize("max_writes", [2, 0])
+async def test_max_writes_bounds_the_writes_in_flight(
+    devstack: DevStack, clean_k8s: Any, monkeypatch: pytest.MonkeyPatch, max_writes: int
+) -> None:
+    """CRS_K8S_MAX_WRITES: eight concurrent guarded writes to eight slots of the real API
+    server all land, at most ``max_writes`` of them in flight at once (0: no limit, and
+    then more than two are); reads are not held back by it."""
+    in_flight = peak = 0
+    real_open = Transport.open
+
+    async def counted(self: Transport, method: str, *args: Any, **kwargs: Any) -> Any:
+        nonlocal in_flight, peak
+        if method != "PATCH":
+            return await real_open(self, method, *args, **kwargs)
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            await asyncio.sleep(0.05)  # long enough for every write to have been started
+            return await real_open(self, method, *args, **kwargs)
+        finally:
+            in_flight -= 1
+
+    monkeypatch.setattr(Transport, "open", counted)
+    names = [f"r-{i}" for i in range(8)]
+    for name in names:
+        await f.create(clean_k8s, f.reservation(name, host="h"))
+    alloc: dict[str, object] = {"creationTimestamp": "2026-01-01T00:00:00Z", "resources": {}}
+    async with await KubeClient.create(devstack.kubeconfig, max_writes=max_writes) as kc:
+        slots = [await kc.get_reservation(name) for name in names]
+        written = await asyncio.gather(
+            *(kc.patch_allocation(slot, f"vm-{i}", alloc) for i, slot in enumerate(slots) if slot)
+        )
+        assert sorted(w.name for w in written) == names
+        for name, i in zip(names, range(8), strict=True):
+            stored = await kc.get_reservation(name)
+            assert stored is not None
+            assert stored.spec.committed_resource_reservation is not None
+            assert set(stored.spec.committed_resource_reservation.allocations or {}) == {f"vm-{i}"}
+    if max_writes:
+        assert peak == max_writes
+    else:
+        assert peak > 2
 
 
 async def test_a_fence_outdates_every_write_guarded_by_an_older_version(

@@ -13,8 +13,9 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 
 from service.app.config import SETTINGS, Config, ConfigError
-from service.app.runtime import Runtime, recorder_options, watch_options
+from service.app.runtime import Runtime, client_options, recorder_options, watch_options
 from service.crs import Recorder
+from service.k8s import KubeClient
 from service.k8s.cache import WatchClusterState
 from service.stream.engine import StreamService, StreamSettings
 from service.stream.kafka_probe import KafkaProbe
@@ -30,6 +31,8 @@ TUNED = {
     "CRS_CONFLICT_BACKOFF_S": "0.02",
     "CRS_CONFLICT_BACKOFF_MAX_S": "0.75",
     "CRS_K8S_PAGE_SIZE": "77",
+    "CRS_K8S_TIMEOUT_S": "13",
+    "CRS_K8S_MAX_WRITES": "6",
     "CRS_READINESS_BOUND_S": "40",
     "CRS_WATCH_TIMEOUT_S": "9",
     "CRS_WATCH_STALE_AFTER_S": "45",
@@ -127,6 +130,12 @@ def test_recorder_options_carry_the_conflict_knobs() -> None:
     # Unset, the retry count is unbounded (only the timeout bounds the conflicts).
     assert recorder_options(Config())["max_conflict_retries"] is None
     inspect.signature(Recorder).bind(None, **opts)
+
+
+def test_client_options_carry_the_request_knobs() -> None:
+    opts = client_options(Config.load(env=TUNED))
+    assert opts == {"request_timeout_s": 13.0, "max_writes": 6}
+    inspect.signature(KubeClient.create).bind(None, **opts)
 
 
 def test_watch_options_carry_the_watch_knobs() -> None:
