@@ -301,10 +301,12 @@ class KubeClient:
         self._metrics = metrics
         # Writes in flight at once (0: no limit). The API server's update path slows
         # down with the writes it has in flight (bench_latency.py at 200 events/s: its
-        # etcd requests took 140-270 ms on average with up to 126 PATCHes in flight,
-        # 20-27 ms with a few), so past a hiccup an unlimited client piles more on and
-        # falls further behind. A write waits for its turn here, outside its deadline:
-        # the deadline bounds the API server's answer, not this replica's own queue.
+        # etcd requests took 75-163 ms on average with up to 126 PATCHes in flight,
+        # 31-39 ms with at most 8), so a replica catching up on a backlog of placements
+        # should not pile them all onto an API server it shares with Cortex. It adds no
+        # throughput (the service's latency did not change on the dev stack), hence off
+        # by default. A write waits for its turn here, outside its deadline: the
+        # deadline bounds the API server's answer, not this replica's own queue.
         self._writes = asyncio.Semaphore(max_writes) if max_writes else None
         if metrics is not None:
             metrics.expect(CALLS)
@@ -570,8 +572,6 @@ class KubeClient:
     ) -> bytes:
         """Run one API call with a deadline; return the 2xx body or raise an ApiError."""
         what = f"{verb} {kind.plural}/{name}" if name else f"{verb} {kind.plural}"
-        if (hook := API_REQUEST_HOOK.get()) is not None:
-            hook()
         if self._writes is not None and verb in _WRITES:
             async with self._writes:
                 return await self._send(verb, kind, name, what, query, body, content_type)
@@ -587,6 +587,10 @@ class KubeClient:
         body: bytes | None,
         content_type: str,
     ) -> bytes:
+        # Told when the request leaves, after any wait for a write slot: the engine
+        # opens the partition's next transaction on it (service.crs.ports).
+        if (hook := API_REQUEST_HOOK.get()) is not None:
+            hook()
         with self._call(verb, kind, what) as call:
             # aiohttp's own total timeout covers connect + headers + body; the outer
             # deadline also bounds auth-hook and DNS work done before the request.

@@ -306,7 +306,7 @@ async def test_max_writes_bounds_the_writes_in_flight(
 ) -> None:
     """CRS_K8S_MAX_WRITES: eight concurrent guarded writes to eight slots of the real API
     server all land, at most ``max_writes`` of them in flight at once (0: no limit, and
-    then more than two are); reads are not held back by it."""
+    then more than two are); the API request hook is called as each one leaves."""
     in_flight = peak = 0
     real_open = Transport.open
 
@@ -329,9 +329,20 @@ async def test_max_writes_bounds_the_writes_in_flight(
     alloc: dict[str, object] = {"creationTimestamp": "2026-01-01T00:00:00Z", "resources": {}}
     async with await KubeClient.create(devstack.kubeconfig, max_writes=max_writes) as kc:
         slots = [await kc.get_reservation(name) for name in names]
-        written = await asyncio.gather(
-            *(kc.patch_allocation(slot, f"vm-{i}", alloc) for i, slot in enumerate(slots) if slot)
-        )
+        # The engine's hook is told when a write leaves, not while it waits for a slot.
+        hooked: list[int] = []
+        token = API_REQUEST_HOOK.set(lambda: hooked.append(in_flight))
+        try:
+            written = await asyncio.gather(
+                *(
+                    kc.patch_allocation(slot, f"vm-{i}", alloc)
+                    for i, slot in enumerate(slots)
+                    if slot
+                )
+            )
+        finally:
+            API_REQUEST_HOOK.reset(token)
+        assert len(hooked) == len(names)
         assert sorted(w.name for w in written) == names
         for name, i in zip(names, range(8), strict=True):
             stored = await kc.get_reservation(name)
@@ -340,6 +351,7 @@ async def test_max_writes_bounds_the_writes_in_flight(
             assert set(stored.spec.committed_resource_reservation.allocations or {}) == {f"vm-{i}"}
     if max_writes:
         assert peak == max_writes
+        assert max(hooked) < max_writes
     else:
         assert peak > 2
 
