@@ -91,6 +91,8 @@ _METHODS: Final[Mapping[str, str]] = MappingProxyType(
 )
 # The verbs that write (max_writes): the guarded allocation patch and the fence.
 _WRITES: Final = frozenset({"patch"})
+# What a request that waits for no write slot enters instead (reusable: it holds nothing).
+_NO_WAIT: Final = contextlib.nullcontext()
 
 
 @dataclass(frozen=True, slots=True)
@@ -572,42 +574,29 @@ class KubeClient:
     ) -> bytes:
         """Run one API call with a deadline; return the 2xx body or raise an ApiError."""
         what = f"{verb} {kind.plural}/{name}" if name else f"{verb} {kind.plural}"
-        if self._writes is not None and verb in _WRITES:
-            async with self._writes:
-                return await self._send(verb, kind, name, what, query, body, content_type)
-        return await self._send(verb, kind, name, what, query, body, content_type)
-
-    async def _send(
-        self,
-        verb: str,
-        kind: ResourceKind,
-        name: str,
-        what: str,
-        query: Query | None,
-        body: bytes | None,
-        content_type: str,
-    ) -> bytes:
-        # Told when the request leaves, after any wait for a write slot: the engine
-        # opens the partition's next transaction on it (service.crs.ports).
-        if (hook := API_REQUEST_HOOK.get()) is not None:
-            hook()
-        with self._call(verb, kind, what) as call:
-            # aiohttp's own total timeout covers connect + headers + body; the outer
-            # deadline also bounds auth-hook and DNS work done before the request.
-            async with asyncio.timeout(self._timeout):
-                resp = await self._http.open(
-                    _METHODS[verb],
-                    Transport.path(kind.group, kind.version, kind.plural, name),
-                    query=query,
-                    body=body,
-                    content_type=content_type,
-                    deadlines=aiohttp.ClientTimeout(total=self._timeout),
-                )
-                try:
-                    answer: bytes = await resp.read()
-                finally:
-                    resp.release()
-                call.code = status = int(resp.status)
+        turn = self._writes if self._writes is not None and verb in _WRITES else _NO_WAIT
+        async with turn:
+            # Told when the request leaves, after any wait for a write slot: the engine
+            # opens the partition's next transaction on it (service.crs.ports).
+            if (hook := API_REQUEST_HOOK.get()) is not None:
+                hook()
+            with self._call(verb, kind, what) as call:
+                # aiohttp's own total timeout covers connect + headers + body; the outer
+                # deadline also bounds auth-hook and DNS work done before the request.
+                async with asyncio.timeout(self._timeout):
+                    resp = await self._http.open(
+                        _METHODS[verb],
+                        Transport.path(kind.group, kind.version, kind.plural, name),
+                        query=query,
+                        body=body,
+                        content_type=content_type,
+                        deadlines=aiohttp.ClientTimeout(total=self._timeout),
+                    )
+                    try:
+                        answer: bytes = await resp.read()
+                    finally:
+                        resp.release()
+                    call.code = status = int(resp.status)
         if not 200 <= status < 300:
             found = _status_of(answer)
             if status == 404 and name and found.details.name != name:

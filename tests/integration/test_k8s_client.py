@@ -344,7 +344,7 @@ async def test_max_writes_bounds_the_writes_in_flight(
             API_REQUEST_HOOK.reset(token)
         assert len(hooked) == len(names)
         assert sorted(w.name for w in written) == names
-        for name, i in zip(names, range(8), strict=True):
+        for i, name in enumerate(names):
             stored = await kc.get_reservation(name)
             assert stored is not None
             assert stored.spec.committed_resource_reservation is not None
